@@ -1,0 +1,95 @@
+"""The inbox, leases, timers and outbox, each keyed by user.
+
+Revision ID: 0001
+Revises:
+Create Date: 2026-12-02
+"""
+
+import sqlalchemy as sa
+from alembic import op
+from sqlalchemy.dialects.postgresql import JSONB
+
+revision = "0001"
+down_revision = None
+branch_labels = None
+depends_on = None
+
+DB_CLOCK = sa.text("floor(extract(epoch from clock_timestamp()))::bigint")
+
+
+def upgrade() -> None:
+    op.create_table(
+        "events",
+        sa.Column("user_id", sa.Text, nullable=False),
+        sa.Column("id", sa.BigInteger, sa.Identity(always=True), nullable=False),
+        sa.Column("source", sa.Text, nullable=False),
+        sa.Column("source_id", sa.Text, nullable=False),
+        sa.Column("payload", JSONB, nullable=False),
+        sa.Column("status", sa.Text, nullable=False, server_default="pending"),
+        sa.Column("attempts", sa.Integer, nullable=False, server_default="0"),
+        sa.Column("claim_gen", sa.BigInteger),
+        sa.Column("error", sa.Text),
+        sa.Column("created_at", sa.BigInteger, nullable=False, server_default=DB_CLOCK),
+        sa.PrimaryKeyConstraint("user_id", "id", name="pk_events"),
+        sa.UniqueConstraint("user_id", "source", "source_id", name="uq_events_user_id_source_source_id"),
+        sa.CheckConstraint("status IN ('pending', 'running', 'done', 'dead')", name="ck_events_status"),
+        sa.CheckConstraint("attempts >= 0", name="ck_events_attempts"),
+    )
+    op.create_index(
+        "ix_events_open",
+        "events",
+        ["user_id", "id"],
+        postgresql_where=sa.text("status IN ('pending', 'running')"),
+    )
+
+    op.create_table(
+        "leases",
+        sa.Column("user_id", sa.Text, nullable=False),
+        sa.Column("holder", sa.Text, nullable=False),
+        sa.Column("gen", sa.BigInteger, nullable=False),
+        sa.Column("until", sa.BigInteger, nullable=False),
+        sa.PrimaryKeyConstraint("user_id", name="pk_leases"),
+        sa.CheckConstraint("gen >= 0", name="ck_leases_gen"),
+    )
+
+    op.create_table(
+        "timers",
+        sa.Column("user_id", sa.Text, nullable=False),
+        sa.Column("timer_id", sa.Text, nullable=False),
+        sa.Column("due", sa.BigInteger, nullable=False),
+        sa.Column("every", sa.BigInteger),
+        sa.Column("payload", JSONB, nullable=False),
+        sa.Column("event_source", sa.Text),
+        sa.Column("event_source_id", sa.Text),
+        sa.Column("done", sa.Boolean, nullable=False, server_default=sa.false()),
+        sa.PrimaryKeyConstraint("user_id", "timer_id", name="pk_timers"),
+        sa.CheckConstraint("every IS NULL OR every > 0", name="ck_timers_every"),
+        sa.CheckConstraint(
+            "every IS NULL OR event_source IS NULL", name="ck_timers_recurring_has_no_fixed_key"
+        ),
+        sa.CheckConstraint(
+            "(event_source IS NULL) = (event_source_id IS NULL)", name="ck_timers_key_is_pair"
+        ),
+    )
+    op.create_index("ix_timers_due", "timers", ["due"], postgresql_where=sa.text("NOT done"))
+
+    op.create_table(
+        "outbox",
+        sa.Column("user_id", sa.Text, nullable=False),
+        sa.Column("id", sa.BigInteger, sa.Identity(always=True), nullable=False),
+        sa.Column("body", sa.Text, nullable=False),
+        sa.Column("created", sa.BigInteger, nullable=False),
+        sa.Column("sent_at", sa.BigInteger),
+        sa.PrimaryKeyConstraint("user_id", "id", name="pk_outbox"),
+    )
+    op.create_index("ix_outbox_sent", "outbox", ["user_id", "sent_at"])
+    op.create_index(
+        "ix_outbox_held", "outbox", ["user_id", "id"], postgresql_where=sa.text("sent_at IS NULL")
+    )
+
+
+def downgrade() -> None:
+    op.drop_table("outbox")
+    op.drop_table("timers")
+    op.drop_table("leases")
+    op.drop_table("events")

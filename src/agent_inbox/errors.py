@@ -1,0 +1,56 @@
+"""Every failure agent-inbox raises, under one root.
+
+Expected outcomes (a duplicate delivery, a lease held by someone else, a finish
+refused by the fence) are return values, not exceptions. An exception means the
+caller must stop: its input was wrong, or the database is not usable. Input errors
+are raised before anything is sent to the database, so nothing is stored.
+"""
+
+
+class AgentInboxError(Exception):
+    """Root of every error agent-inbox raises."""
+
+
+class InvalidInput(AgentInboxError, ValueError):
+    """An argument was rejected before anything was stored.
+
+    `field` names the argument and `value` holds what was given (truncated in
+    the message, never for secrets: no secret passes through this check).
+    """
+
+    def __init__(self, field: str, value: object, problem: str):
+        self.field = field
+        self.value = value
+        shown = repr(value)
+        if len(shown) > 80:
+            shown = shown[:77] + "..."
+        super().__init__(f"{field} {problem} (got {shown})")
+
+
+class InvalidTime(InvalidInput):
+    """A time or duration that is not a non-negative whole number of seconds."""
+
+
+class InvalidPayload(InvalidInput):
+    """A payload that cannot be stored as JSON."""
+
+
+class PayloadTooLarge(InvalidPayload):
+    """A payload whose JSON encoding is over the configured limit."""
+
+
+class InvalidTimer(InvalidInput):
+    """A timer definition that breaks a timer rule (every <= 0, a fixed key on a
+    recurring timer)."""
+
+
+class InvalidAnswer(InvalidInput):
+    """An approval answer other than 'yes' or 'no'."""
+
+
+class SchemaNotAtHead(AgentInboxError):
+    """The database schema is not at the revision this code was written for."""
+
+
+class DatabaseUnavailable(AgentInboxError):
+    """The database could not be reached or stopped answering."""

@@ -1,0 +1,209 @@
+"""The programmatic API: `Inbox`, one object per process, owning a connection pool.
+
+Every method checks its arguments before any SQL runs (bad input raises an
+`errors.InvalidInput` and stores nothing) and runs as one transaction. Methods on
+a run's path (acquire, claim_batch, finish) first lock the user's lease row, so
+one user's run-path transactions are serialised across every host. `now=None`
+means the database server's clock; an explicit `now` (integer epoch seconds) is
+for tests and simulations.
+"""
+
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+from agent_inbox import db, validate
+from agent_inbox.records import Event, OutboxMessage, Timer
+from agent_inbox.schema import EVENT_STATUSES
+from agent_inbox.store import approvals, inbox, lease, outbox, timers
+
+DEFAULT_MAX_PAYLOAD_BYTES = 1 << 20
+# Timers fired per scheduler transaction; a pass loops until none are due.
+SCHEDULER_BATCH = 500
+
+
+class Inbox:
+    """Durable per-user inboxes, leases, timers, approvals and outboxes."""
+
+    def __init__(self, pool, *, max_attempts: int = 3, lease_ttl: int = 120,
+                 outbox_gap: int = 3600, max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES):
+        self.max_attempts = validate.positive_int("max_attempts", max_attempts)
+        self.lease_ttl = validate.positive_int("lease_ttl", lease_ttl)
+        self.outbox_gap = validate.epoch("outbox_gap", outbox_gap)
+        self.max_payload_bytes = validate.positive_int("max_payload_bytes", max_payload_bytes)
+        self._pool = pool
+
+    @classmethod
+    def connect(cls, url: str, *, max_attempts: int = 3, lease_ttl: int = 120,
+                outbox_gap: int = 3600, max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES,
+                pool_size: int = 4, application_name: str = "agent-inbox") -> "Inbox":
+        """Open a pool to `url` (any libpq connection string or URI)."""
+        validate.text("url", url)
+        validate.positive_int("pool_size", pool_size)
+        pool = db.open_pool(url, size=pool_size, name=application_name)
+        try:
+            return cls(pool, max_attempts=max_attempts, lease_ttl=lease_ttl,
+                       outbox_gap=outbox_gap, max_payload_bytes=max_payload_bytes)
+        except BaseException:
+            pool.close()
+            raise
+
+    def close(self) -> None:
+        self._pool.close()
+
+    def __enter__(self) -> "Inbox":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+    # --- inbox ---------------------------------------------------------------
+
+    def ingest(self, user: str, source: str, source_id: str, payload: Any) -> bool:
+        """Store an event once. False for a duplicate delivery (nothing stored).
+
+        Call it after the provider's signature check, then acknowledge."""
+        user = validate.text("user", user)
+        source = validate.text("source", source)
+        source_id = validate.text("source_id", source_id)
+        encoded = validate.payload("payload", payload, self.max_payload_bytes)
+        with db.connection(self._pool) as conn:
+            return inbox.insert(conn, user, source, source_id, encoded)
+
+    def events(self, user: str, *, status: str | None = None) -> list[Event]:
+        """A user's events, ordered by id; for operators and tests."""
+        user = validate.text("user", user)
+        if status is not None and status not in EVENT_STATUSES:
+            raise validate.errors.InvalidInput("status", status, f"must be one of {EVENT_STATUSES}")
+        with db.connection(self._pool) as conn:
+            return inbox.list_events(conn, user, status)
+
+    # --- lease, claim, finish --------------------------------------------------
+
+    def acquire(self, user: str, holder: str, *, now: int | None = None) -> int | None:
+        """Take or renew the user's lease: the generation, or None if another
+        holder's lease is still valid. Renewal keeps the generation; any takeover
+        of an expired lease, by anyone, increments it."""
+        user, holder = validate.text("user", user), validate.text("holder", holder)
+        now = validate.optional_epoch("now", now)
+        with db.transaction(self._pool) as conn:
+            return lease.acquire(conn, user, holder, self.lease_ttl, now)
+
+    def claim_batch(self, user: str, holder: str, gen: int, *, now: int | None = None) -> list[Event]:
+        """Claim the work for one run, ordered by id; empty unless this holder
+        holds the lease in generation `gen`. Call once per run, after the
+        previous run's finish."""
+        user, holder = validate.text("user", user), validate.text("holder", holder)
+        gen = validate.positive_int("gen", gen)
+        now = validate.optional_epoch("now", now)
+        with db.transaction(self._pool) as conn:
+            lease.lock(conn, user)
+            return inbox.claim(conn, user, holder, gen, self.max_attempts, now)
+
+    def finish(self, user: str, holder: str, gen: int, ids: Iterable[int], *,
+               messages: Iterable[str] = (), error: str | None = None,
+               now: int | None = None) -> bool:
+        """Commit a run's outcome and queue its messages, in one fenced transaction.
+
+        True if committed. False, with nothing written, unless this holder still
+        holds the lease in generation `gen`, unexpired, and every event in `ids`
+        is still running under `gen`. With `error`, the events go back to pending
+        (their attempts already counted) and no message is queued."""
+        user, holder = validate.text("user", user), validate.text("holder", holder)
+        gen = validate.positive_int("gen", gen)
+        ids = validate.ids("ids", ids)
+        messages = validate.messages("messages", messages)
+        if error is not None:
+            error = validate.text("error", error)
+        now = validate.optional_epoch("now", now)
+        with db.transaction(self._pool) as conn:
+            lease.lock(conn, user)
+            return inbox.finish(conn, user, holder, gen, ids, messages, error, now)
+
+    # --- timers and approvals --------------------------------------------------
+
+    def add_timer(self, user: str, timer_id: str, due: int, payload: Mapping[str, Any], *,
+                  every: int | None = None, key: tuple[str, str] | None = None) -> None:
+        """Create or replace a timer. Recurring with `every` seconds, else one-off;
+        a one-off may fix its event key (source, source_id), a recurring one may
+        not (each occurrence needs its own key)."""
+        user, timer_id = validate.text("user", user), validate.text("timer_id", timer_id)
+        due = validate.epoch("due", due)
+        if every is not None:
+            every = validate.positive_int("every", every)
+            if key is not None:
+                raise validate.errors.InvalidTimer(
+                    "key", key, "cannot be fixed on a recurring timer (every is set)")
+        if key is not None:
+            key = validate.event_key("key", key)
+        encoded = validate.mapping_payload("payload", payload, self.max_payload_bytes)
+        with db.connection(self._pool) as conn:
+            timers.upsert(conn, user, timer_id, base=due, delay=0, every=every,
+                          payload_json=encoded, key=key)
+
+    def timers(self, user: str) -> list[Timer]:
+        user = validate.text("user", user)
+        with db.connection(self._pool) as conn:
+            return timers.list_timers(conn, user)
+
+    def run_scheduler(self, *, now: int | None = None) -> int:
+        """Turn every due timer, across all users, into an inbox event; the number
+        fired. Safe to run as many copies at once as you like."""
+        now = validate.optional_epoch("now", now)
+        fired_total = 0
+        with db.connection(self._pool) as conn:
+            while True:
+                fired = timers.fire_due(conn, now, SCHEDULER_BATCH)
+                fired_total += fired
+                if fired < SCHEDULER_BATCH:
+                    return fired_total
+
+    def request_approval(self, user: str, request_id: str, *, expires_in: int, action: Any,
+                         now: int | None = None) -> int:
+        """Arm the approval's expiry timer; returns the deadline (epoch seconds).
+        The answer or the expiry comes back as the event ('approval', request_id)."""
+        user = validate.text("user", user)
+        request_id = validate.text("request_id", request_id)
+        expires_in = validate.epoch("expires_in", expires_in)
+        now = validate.optional_epoch("now", now)
+        encoded = validate.mapping_payload(
+            "action", {"approval": request_id, "answer": "expired", "action": action},
+            self.max_payload_bytes)
+        with db.connection(self._pool) as conn:
+            return timers.upsert(conn, user, approvals.expiry_timer_id(request_id), base=now,
+                                 delay=expires_in, every=None, payload_json=encoded,
+                                 key=("approval", request_id))
+
+    def answer_approval(self, user: str, request_id: str, answer: str, *,
+                        now: int | None = None) -> str:
+        """Store an answer unless the deadline has passed; returns the answer that
+        stands: 'yes', 'no', 'expired', or 'unknown' for a request never made."""
+        user = validate.text("user", user)
+        request_id = validate.text("request_id", request_id)
+        answer = validate.answer("answer", answer)
+        now = validate.optional_epoch("now", now)
+        with db.transaction(self._pool) as conn:
+            return approvals.answer(conn, user, request_id, answer, now)
+
+    # --- outbox -------------------------------------------------------------
+
+    def dispatch(self, user: str, send: Callable[[str], Any], *, now: int | None = None) -> int:
+        """Send the user's held messages as one text, at most once per outbox_gap;
+        the number of messages sent. `send(text)` is called at most once, inside
+        the transaction that marks the rows sent: if it raises, nothing is marked."""
+        user = validate.text("user", user)
+        now = validate.optional_epoch("now", now)
+        if not callable(send):
+            raise validate.errors.InvalidInput("send", send, "must be callable")
+        with db.transaction(self._pool) as conn:
+            held = outbox.take_held(conn, user, self.outbox_gap, now)
+            if held is None:
+                return 0
+            ids, bodies, sent_at = held
+            send("\n\n".join(bodies))
+            outbox.mark_sent(conn, user, ids, sent_at)
+            return len(ids)
+
+    def outbox(self, user: str) -> list[OutboxMessage]:
+        user = validate.text("user", user)
+        with db.connection(self._pool) as conn:
+            return outbox.list_messages(conn, user)

@@ -1,0 +1,112 @@
+"""The one description of agent-inbox's tables (SQLAlchemy Core).
+
+Alembic's migrations create these tables and `alembic check` proves the two agree;
+runtime SQL never goes through SQLAlchemy. Every table carries `user_id` in its
+primary key, so a run touches one user's rows only and the schema can be
+distributed by `user_id`. Times are bigint epoch seconds: the timer occurrence key
+`<timer_id>@<scheduled_at>` must stay exact whole seconds.
+"""
+
+import sqlalchemy as sa
+from sqlalchemy.dialects.postgresql import JSONB
+
+NAMING_CONVENTION = {
+    "ix": "ix_%(table_name)s_%(column_0_N_name)s",
+    "uq": "uq_%(table_name)s_%(column_0_N_name)s",
+    "ck": "ck_%(table_name)s_%(constraint_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+}
+
+EVENT_STATUSES = ("pending", "running", "done", "dead")
+
+metadata = sa.MetaData(naming_convention=NAMING_CONVENTION)
+
+events = sa.Table(
+    "events",
+    metadata,
+    sa.Column("user_id", sa.Text, nullable=False),
+    sa.Column("id", sa.BigInteger, sa.Identity(always=True), nullable=False),
+    sa.Column("source", sa.Text, nullable=False),
+    sa.Column("source_id", sa.Text, nullable=False),
+    sa.Column("payload", JSONB, nullable=False),
+    sa.Column("status", sa.Text, nullable=False, server_default="pending"),
+    sa.Column("attempts", sa.Integer, nullable=False, server_default="0"),
+    sa.Column("claim_gen", sa.BigInteger),
+    sa.Column("error", sa.Text),
+    sa.Column(
+        "created_at",
+        sa.BigInteger,
+        nullable=False,
+        server_default=sa.text("floor(extract(epoch from clock_timestamp()))::bigint"),
+    ),
+    sa.PrimaryKeyConstraint("user_id", "id"),
+    sa.UniqueConstraint("user_id", "source", "source_id"),
+    sa.CheckConstraint(
+        "status IN ('pending', 'running', 'done', 'dead')", name="status"
+    ),
+    sa.CheckConstraint("attempts >= 0", name="attempts"),
+)
+
+# Claim and work-finding read only a user's open events: keep that index small.
+sa.Index(
+    "ix_events_open",
+    events.c.user_id,
+    events.c.id,
+    postgresql_where=sa.text("status IN ('pending', 'running')"),
+)
+
+leases = sa.Table(
+    "leases",
+    metadata,
+    sa.Column("user_id", sa.Text, nullable=False),
+    sa.Column("holder", sa.Text, nullable=False),
+    sa.Column("gen", sa.BigInteger, nullable=False),
+    sa.Column("until", sa.BigInteger, nullable=False),
+    sa.PrimaryKeyConstraint("user_id"),
+    sa.CheckConstraint("gen >= 0", name="gen"),
+)
+
+timers = sa.Table(
+    "timers",
+    metadata,
+    sa.Column("user_id", sa.Text, nullable=False),
+    sa.Column("timer_id", sa.Text, nullable=False),
+    sa.Column("due", sa.BigInteger, nullable=False),
+    sa.Column("every", sa.BigInteger),
+    sa.Column("payload", JSONB, nullable=False),
+    sa.Column("event_source", sa.Text),
+    sa.Column("event_source_id", sa.Text),
+    sa.Column("done", sa.Boolean, nullable=False, server_default=sa.false()),
+    sa.PrimaryKeyConstraint("user_id", "timer_id"),
+    sa.CheckConstraint("every IS NULL OR every > 0", name="every"),
+    sa.CheckConstraint(
+        "every IS NULL OR event_source IS NULL", name="recurring_has_no_fixed_key"
+    ),
+    sa.CheckConstraint(
+        "(event_source IS NULL) = (event_source_id IS NULL)", name="key_is_pair"
+    ),
+)
+
+# The scheduler's scan across users: only timers still to fire.
+sa.Index("ix_timers_due", timers.c.due, postgresql_where=sa.text("NOT done"))
+
+outbox = sa.Table(
+    "outbox",
+    metadata,
+    sa.Column("user_id", sa.Text, nullable=False),
+    sa.Column("id", sa.BigInteger, sa.Identity(always=True), nullable=False),
+    sa.Column("body", sa.Text, nullable=False),
+    sa.Column("created", sa.BigInteger, nullable=False),
+    sa.Column("sent_at", sa.BigInteger),
+    sa.PrimaryKeyConstraint("user_id", "id"),
+)
+
+# Pacing reads the user's last send; dispatch reads the user's held rows.
+sa.Index("ix_outbox_sent", outbox.c.user_id, outbox.c.sent_at)
+sa.Index(
+    "ix_outbox_held",
+    outbox.c.user_id,
+    outbox.c.id,
+    postgresql_where=sa.text("sent_at IS NULL"),
+)

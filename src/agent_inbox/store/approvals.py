@@ -1,0 +1,46 @@
+"""Approvals: the answer and the expiry race under one inbox key.
+
+A request is a one-off timer `expire:<request_id>` whose event key is
+('approval', request_id). An answer is stored under that same key, so whichever
+of the answer and the expiry is inserted first stands and the other is a
+duplicate. The deadline is checked in the answer's own statement against the
+database clock: past it, the expiry is stored even if no scheduler has run.
+"""
+
+from agent_inbox.store.clock import NOW
+
+
+def expiry_timer_id(request_id: str) -> str:
+    return f"expire:{request_id}"
+
+
+# Store the answer, or the expiry once the deadline has passed; nothing if the
+# request is unknown or an answer already stands. Reports whether it is known.
+ANSWER = f"""
+WITH request AS (
+    SELECT due, payload FROM timers WHERE user_id = %(user)s AND timer_id = %(timer_id)s
+), stored AS (
+    INSERT INTO events (user_id, source, source_id, payload)
+    SELECT %(user)s, 'approval', %(request_id)s,
+           CASE WHEN {NOW} >= r.due THEN r.payload
+                ELSE jsonb_build_object('approval', %(request_id)s::text, 'answer', %(answer)s::text)
+           END
+      FROM request r
+        ON CONFLICT (user_id, source, source_id) DO NOTHING
+)
+SELECT EXISTS (SELECT 1 FROM request)
+"""
+
+# The answer that stands, after a conflicting insert committed first.
+STANDING = """
+SELECT payload->>'answer' FROM events
+ WHERE user_id = %(user)s AND source = 'approval' AND source_id = %(request_id)s
+"""
+
+
+def answer(conn, user: str, request_id: str, answer: str, now: int | None) -> str:
+    params = {"user": user, "request_id": request_id, "answer": answer, "now": now,
+              "timer_id": expiry_timer_id(request_id)}
+    if not conn.execute(ANSWER, params).fetchone()[0]:
+        return "unknown"
+    return conn.execute(STANDING, params).fetchone()[0]

@@ -1,0 +1,67 @@
+"""The per-user lease: at most one run per user holds a valid lease at any instant.
+
+A user's lease row moves through these states (now is the database clock):
+
+    no row ──acquire(h)──────────────────────────▶ held(h, gen 1, until now+ttl)
+    held(h, g, until ≥ now) ──acquire(h)─────────▶ held(h, g, now+ttl)       renewal
+    held(h, g, until ≥ now) ──acquire(other)─────▶ unchanged, refused (None)
+    held(h, g, until < now) ──acquire(anyone)────▶ held(x, g+1, now+ttl)     takeover
+    held(h, g, until ≥ now) ──release(h, g)──────▶ held(h, g, now-1)         expired
+
+A takeover by the same holder also starts a new generation, and a released lease
+keeps its generation: either way a stalled run's late finish in the old
+generation is refused, because finish checks the generation, not just the name.
+
+Every transaction on a run's path takes the lease row with SELECT ... FOR UPDATE
+first (lock), so acquire, claim, renew, release and finish of one user are
+serialised by PostgreSQL, as BEGIN IMMEDIATE serialised them in the single-host
+design. A first acquire inserts the row as an expired generation-0 lease, so
+every later step is an update of a row that exists.
+"""
+
+from agent_inbox.records import Lease
+from agent_inbox.store.clock import NOW
+
+# Invariant 2: the lease row is the per-user mutex for every run-path transaction.
+LOCK = "SELECT holder, gen, until FROM leases WHERE user_id = %(user)s FOR UPDATE"
+
+
+def lock(conn, user: str) -> Lease | None:
+    row = conn.execute(LOCK, {"user": user}).fetchone()
+    return Lease(*row) if row else None
+
+
+# A user's first acquire: an expired gen-0 lease that the next step takes over.
+CREATE_EXPIRED = """
+INSERT INTO leases (user_id, holder, gen, until) VALUES (%(user)s, '', 0, -1)
+ON CONFLICT (user_id) DO NOTHING
+"""
+
+# Invariant 2: renewal keeps gen, a takeover of an expired lease increments it.
+ACQUIRE = f"""
+WITH clock AS (SELECT {NOW} AS now)
+UPDATE leases l
+   SET holder = %(holder)s,
+       gen = CASE WHEN l.until < clock.now THEN l.gen + 1 ELSE l.gen END,
+       until = clock.now + %(ttl)s
+  FROM clock
+ WHERE l.user_id = %(user)s
+   AND (l.until < clock.now OR l.holder = %(holder)s)
+RETURNING l.gen
+"""
+
+
+def acquire(conn, user: str, holder: str, ttl: int, now: int | None) -> int | None:
+    """Take or renew the lease; the generation, or None if another holds it."""
+    if lock(conn, user) is None:
+        conn.execute(CREATE_EXPIRED, {"user": user})
+        lock(conn, user)
+    row = conn.execute(ACQUIRE, {"user": user, "holder": holder, "ttl": ttl, "now": now}).fetchone()
+    return row[0] if row else None
+
+
+# Invariant 3, the fence: a fragment for claim and finish, true only while this
+# holder holds this generation, unexpired (at the statement's clock reading).
+FENCE = f"""EXISTS (SELECT 1 FROM leases
+                    WHERE user_id = %(user)s AND holder = %(holder)s AND gen = %(gen)s
+                      AND until >= {NOW})"""

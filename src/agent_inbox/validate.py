@@ -1,0 +1,98 @@
+"""Argument checks run before any SQL, so bad input stores nothing.
+
+Each function returns the value in the form the store wants, or raises a
+specific `errors.InvalidInput` naming the argument and the value given.
+"""
+
+import json
+from collections.abc import Iterable, Mapping
+
+from agent_inbox import errors
+
+# PostgreSQL's bigint: times, durations and ids must fit.
+_BIGINT_MAX = 2**63 - 1
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def text(field: str, value: object) -> str:
+    """A non-empty string PostgreSQL can store (text cannot hold NUL)."""
+    if not isinstance(value, str):
+        raise errors.InvalidInput(field, value, "must be a string")
+    if not value:
+        raise errors.InvalidInput(field, value, "must not be empty")
+    if "\x00" in value:
+        raise errors.InvalidInput(field, value, "must not contain NUL characters")
+    return value
+
+
+def epoch(field: str, value: object) -> int:
+    """A time or duration: a whole, non-negative number of seconds."""
+    if not _is_int(value):
+        raise errors.InvalidTime(field, value, "must be a whole number of seconds (int)")
+    if value < 0:
+        raise errors.InvalidTime(field, value, "must not be negative")
+    if value > _BIGINT_MAX:
+        raise errors.InvalidTime(field, value, "is too large")
+    return value
+
+
+def optional_epoch(field: str, value: object) -> int | None:
+    return None if value is None else epoch(field, value)
+
+
+def positive_int(field: str, value: object) -> int:
+    if not _is_int(value) or value <= 0 or value > _BIGINT_MAX:
+        raise errors.InvalidInput(field, value, "must be a positive integer")
+    return value
+
+
+def ids(field: str, values: object) -> list[int]:
+    if isinstance(values, (str, bytes)) or not isinstance(values, Iterable):
+        raise errors.InvalidInput(field, values, "must be a list of event ids")
+    result = [positive_int(f"{field} item", v) for v in values]
+    return sorted(set(result))
+
+
+def messages(field: str, values: object) -> list[str]:
+    if isinstance(values, (str, bytes)) or not isinstance(values, Iterable):
+        raise errors.InvalidInput(field, values, "must be a list of strings, not a single value")
+    return [text(f"{field} item", v) for v in values]
+
+
+def payload(field: str, value: object, limit: int) -> str:
+    """Encode as JSON text, within `limit` bytes; PostgreSQL's jsonb refuses NaN,
+    Infinity and the NUL character, so they are refused here first."""
+    try:
+        encoded = json.dumps(value, allow_nan=False, ensure_ascii=False, separators=(",", ":"))
+    except (TypeError, ValueError) as exc:
+        raise errors.InvalidPayload(field, value, f"is not JSON-serialisable: {exc}") from None
+    if "\\u0000" in encoded:
+        raise errors.InvalidPayload(field, value, "must not contain the NUL character")
+    size = len(encoded.encode("utf-8"))
+    if size > limit:
+        raise errors.PayloadTooLarge(
+            field, f"<{size} bytes>", f"is {size} bytes as JSON, over the limit of {limit}"
+        )
+    return encoded
+
+
+def mapping_payload(field: str, value: object, limit: int) -> str:
+    """A JSON object: timers add scheduled_for, late_by and skipped to it."""
+    if not isinstance(value, Mapping):
+        raise errors.InvalidPayload(field, value, "must be a mapping (a JSON object)")
+    return payload(field, dict(value), limit)
+
+
+def event_key(field: str, value: object) -> tuple[str, str]:
+    if not isinstance(value, (tuple, list)) or len(value) != 2:
+        raise errors.InvalidTimer(field, value, "must be a (source, source_id) pair")
+    return text(f"{field} source", value[0]), text(f"{field} source_id", value[1])
+
+
+def answer(field: str, value: object) -> str:
+    if value not in ("yes", "no"):
+        raise errors.InvalidAnswer(field, value, "must be 'yes' or 'no'")
+    return value
