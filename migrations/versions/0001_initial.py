@@ -30,6 +30,8 @@ def upgrade() -> None:
         sa.Column("claim_gen", sa.BigInteger),
         sa.Column("error", sa.Text),
         sa.Column("created_at", sa.BigInteger, nullable=False, server_default=DB_CLOCK),
+        sa.Column("available_at", sa.BigInteger, nullable=False, server_default=DB_CLOCK),
+        sa.Column("claimed_at", sa.BigInteger),
         sa.PrimaryKeyConstraint("user_id", "id", name="pk_events"),
         sa.UniqueConstraint("user_id", "source", "source_id", name="uq_events_user_id_source_source_id"),
         sa.CheckConstraint("status IN ('pending', 'running', 'done', 'dead')", name="ck_events_status"),
@@ -39,6 +41,12 @@ def upgrade() -> None:
         "ix_events_open",
         "events",
         ["user_id", "id"],
+        postgresql_where=sa.text("status IN ('pending', 'running')"),
+    )
+    op.create_index(
+        "ix_events_claimable",
+        "events",
+        ["available_at", "id"],
         postgresql_where=sa.text("status IN ('pending', 'running')"),
     )
 
@@ -80,15 +88,44 @@ def upgrade() -> None:
         sa.Column("body", sa.Text, nullable=False),
         sa.Column("created", sa.BigInteger, nullable=False),
         sa.Column("sent_at", sa.BigInteger),
+        sa.Column("urgent", sa.Boolean, nullable=False, server_default=sa.false()),
         sa.PrimaryKeyConstraint("user_id", "id", name="pk_outbox"),
     )
     op.create_index("ix_outbox_sent", "outbox", ["user_id", "sent_at"])
     op.create_index(
         "ix_outbox_held", "outbox", ["user_id", "id"], postgresql_where=sa.text("sent_at IS NULL")
     )
+    op.execute(EVENTS_INSERTED_FUNCTION)
+    op.execute(EVENTS_INSERTED_TRIGGER)
+
+
+# Every path that inserts events (ingest, the scheduler, approval answers) goes
+# through this: the user gets a lease row (an expired generation 0) so workers can
+# find and lock it, and waiting workers are woken by a notification on commit.
+EVENTS_INSERTED_FUNCTION = """
+CREATE FUNCTION agent_inbox_events_inserted() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+    IF EXISTS (SELECT 1 FROM new_events) THEN
+        INSERT INTO leases (user_id, holder, gen, until)
+        SELECT DISTINCT user_id, '', 0, -1 FROM new_events
+        ON CONFLICT (user_id) DO NOTHING;
+        PERFORM pg_notify('agent_inbox_work', '');
+    END IF;
+    RETURN NULL;
+END
+$$
+"""
+
+EVENTS_INSERTED_TRIGGER = """
+CREATE TRIGGER events_inserted AFTER INSERT ON events
+REFERENCING NEW TABLE AS new_events
+FOR EACH STATEMENT EXECUTE FUNCTION agent_inbox_events_inserted()
+"""
 
 
 def downgrade() -> None:
+    op.execute("DROP TRIGGER events_inserted ON events")
+    op.execute("DROP FUNCTION agent_inbox_events_inserted()")
     op.drop_table("outbox")
     op.drop_table("timers")
     op.drop_table("leases")

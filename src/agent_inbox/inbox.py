@@ -11,8 +11,11 @@ for tests and simulations.
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-from agent_inbox import db, validate
-from agent_inbox.records import Event, OutboxMessage, Timer
+from dataclasses import dataclass
+
+from agent_inbox import db, errors, validate
+from agent_inbox.records import ClaimPolicy, Event, OutboxMessage, Timer
+from agent_inbox.result import ApprovalRequest, Message, Result, TimerRequest
 from agent_inbox.schema import EVENT_STATUSES
 from agent_inbox.store import approvals, inbox, lease, outbox, timers
 
@@ -21,31 +24,50 @@ DEFAULT_MAX_PAYLOAD_BYTES = 1 << 20
 SCHEDULER_BATCH = 500
 
 
+@dataclass(frozen=True)
+class Run:
+    """A user's lease taken by `holder` in generation `gen`, and the events claimed."""
+
+    user: str
+    holder: str
+    gen: int
+    claimed_at: int
+    events: list[Event]
+
+
 class Inbox:
     """Durable per-user inboxes, leases, timers, approvals and outboxes."""
 
     def __init__(self, pool, *, max_attempts: int = 3, lease_ttl: int = 120,
-                 outbox_gap: int = 3600, max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES):
-        self.max_attempts = validate.positive_int("max_attempts", max_attempts)
+                 outbox_gap: int = 3600, max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES,
+                 retry_backoff: int = 5, retry_backoff_cap: int = 300):
+        self.policy = ClaimPolicy(
+            max_attempts=validate.positive_int("max_attempts", max_attempts),
+            backoff_base=validate.epoch("retry_backoff", retry_backoff),
+            backoff_cap=validate.epoch("retry_backoff_cap", retry_backoff_cap))
         self.lease_ttl = validate.positive_int("lease_ttl", lease_ttl)
         self.outbox_gap = validate.epoch("outbox_gap", outbox_gap)
         self.max_payload_bytes = validate.positive_int("max_payload_bytes", max_payload_bytes)
         self._pool = pool
 
     @classmethod
-    def connect(cls, url: str, *, max_attempts: int = 3, lease_ttl: int = 120,
-                outbox_gap: int = 3600, max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES,
-                pool_size: int = 4, application_name: str = "agent-inbox") -> "Inbox":
-        """Open a pool to `url` (any libpq connection string or URI)."""
+    def connect(cls, url: str, *, pool_size: int = 4, application_name: str = "agent-inbox",
+                **options) -> "Inbox":
+        """Open a pool to `url` (any libpq connection string or URI). `options`
+        are the constructor's: max_attempts=3, lease_ttl=120, outbox_gap=3600,
+        max_payload_bytes=1 MiB, retry_backoff=5, retry_backoff_cap=300."""
         validate.text("url", url)
         validate.positive_int("pool_size", pool_size)
         pool = db.open_pool(url, size=pool_size, name=application_name)
         try:
-            return cls(pool, max_attempts=max_attempts, lease_ttl=lease_ttl,
-                       outbox_gap=outbox_gap, max_payload_bytes=max_payload_bytes)
+            return cls(pool, **options)
         except BaseException:
             pool.close()
             raise
+
+    @property
+    def max_attempts(self) -> int:
+        return self.policy.max_attempts
 
     def close(self) -> None:
         self._pool.close()
@@ -73,7 +95,7 @@ class Inbox:
         """A user's events, ordered by id; for operators and tests."""
         user = validate.text("user", user)
         if status is not None and status not in EVENT_STATUSES:
-            raise validate.errors.InvalidInput("status", status, f"must be one of {EVENT_STATUSES}")
+            raise errors.InvalidInput("status", status, f"must be one of {EVENT_STATUSES}")
         with db.connection(self._pool) as conn:
             return inbox.list_events(conn, user, status)
 
@@ -97,7 +119,7 @@ class Inbox:
         now = validate.optional_epoch("now", now)
         with db.transaction(self._pool) as conn:
             lease.lock(conn, user)
-            return inbox.claim(conn, user, holder, gen, self.max_attempts, now)
+            return inbox.claim(conn, user, holder, gen, self.policy, now)
 
     def finish(self, user: str, holder: str, gen: int, ids: Iterable[int], *,
                messages: Iterable[str] = (), error: str | None = None,
@@ -111,13 +133,89 @@ class Inbox:
         user, holder = validate.text("user", user), validate.text("holder", holder)
         gen = validate.positive_int("gen", gen)
         ids = validate.ids("ids", ids)
-        messages = validate.messages("messages", messages)
+        messages = [(body, False) for body in validate.messages("messages", messages)]
         if error is not None:
             error = validate.text("error", error)
         now = validate.optional_epoch("now", now)
         with db.transaction(self._pool) as conn:
             lease.lock(conn, user)
             return inbox.finish(conn, user, holder, gen, ids, messages, error, now)
+
+    # --- runs, for the worker runtime ---------------------------------------------
+
+    def take_work(self, holder: str, *, now: int | None = None) -> Run | None:
+        """Find the user whose oldest claimable event has waited longest among
+        users whose lease is free or expired, take the lease over and claim, in
+        one statement; None if there is no such user. The run may hold no events
+        (only exhausted ones were due, now parked dead): finish it all the same."""
+        holder = validate.text("holder", holder)
+        now = validate.optional_epoch("now", now)
+        with db.connection(self._pool) as conn:
+            taken = inbox.take_work(conn, holder, self.lease_ttl, self.policy, now)
+        if taken is None:
+            return None
+        user, gen, claimed_at, events = taken
+        return Run(user, holder, gen, claimed_at, events)
+
+    def renew(self, user: str, holder: str, gen: int, *, now: int | None = None) -> int | None:
+        """Extend a held lease by lease_ttl; its new expiry, or None if it was lost."""
+        user, holder = validate.text("user", user), validate.text("holder", holder)
+        gen = validate.positive_int("gen", gen)
+        now = validate.optional_epoch("now", now)
+        with db.transaction(self._pool) as conn:
+            lease.lock(conn, user)
+            return lease.renew(conn, user, holder, gen, self.lease_ttl, now)
+
+    def release(self, user: str, holder: str, gen: int, *, now: int | None = None) -> bool:
+        """Expire a held lease at once (gen kept, so it still fences this holder)."""
+        user, holder = validate.text("user", user), validate.text("holder", holder)
+        gen = validate.positive_int("gen", gen)
+        now = validate.optional_epoch("now", now)
+        with db.transaction(self._pool) as conn:
+            lease.lock(conn, user)
+            return lease.release(conn, user, holder, gen, now)
+
+    def finish_run(self, run: Run, result: Result, *, release: bool = True,
+                   now: int | None = None) -> bool:
+        """Commit everything a run produced (its events' outcome, messages, timers,
+        approval requests) in one fenced transaction, and by default release the
+        lease in the same commit. False, with nothing written, if the fence refuses."""
+        if not isinstance(result, Result):
+            raise errors.InvalidInput("result", result, "must be an agent_inbox.Result")
+        now = validate.optional_epoch("now", now)
+        error = None if result.error is None else validate.text("result.error", result.error)
+        messages = [self._message(m) for m in result.messages]
+        timer_rows = [self._timer_row(t) for t in result.timers]
+        approval_rows = [self._approval_row(a) for a in result.approvals]
+        ids = [e.id for e in run.events]
+        with db.transaction(self._pool) as conn:
+            lease.lock(conn, run.user)
+            if not inbox.finish(conn, run.user, run.holder, run.gen, ids, messages, error, now,
+                                release=release):
+                return False
+            if error is None:
+                for row in timer_rows:
+                    timers.upsert(conn, run.user, **row)
+                for request_id, row in approval_rows:
+                    timers.upsert(conn, run.user, approvals.expiry_timer_id(request_id),
+                                  base=now, **row)
+            return True
+
+    def _message(self, message) -> tuple[str, bool]:
+        if isinstance(message, Message):
+            return validate.text("message body", message.body), bool(message.urgent)
+        return validate.text("message", message), False
+
+    def _timer_row(self, timer) -> dict:
+        if not isinstance(timer, TimerRequest):
+            raise errors.InvalidInput("timers item", timer, "must be an agent_inbox.TimerRequest")
+        return self._checked_timer(timer.timer_id, timer.due, timer.payload, timer.every, timer.key)
+
+    def _approval_row(self, approval) -> tuple[str, dict]:
+        if not isinstance(approval, ApprovalRequest):
+            raise errors.InvalidInput("approvals item", approval,
+                                      "must be an agent_inbox.ApprovalRequest")
+        return self._checked_approval(approval.request_id, approval.expires_in, approval.action)
 
     # --- timers and approvals --------------------------------------------------
 
@@ -126,19 +224,36 @@ class Inbox:
         """Create or replace a timer. Recurring with `every` seconds, else one-off;
         a one-off may fix its event key (source, source_id), a recurring one may
         not (each occurrence needs its own key)."""
-        user, timer_id = validate.text("user", user), validate.text("timer_id", timer_id)
+        user = validate.text("user", user)
+        row = self._checked_timer(timer_id, due, payload, every, key)
+        with db.connection(self._pool) as conn:
+            timers.upsert(conn, user, **row)
+
+    def _checked_timer(self, timer_id, due, payload, every, key) -> dict:
+        """add_timer's arguments, checked, as timers.upsert's keyword arguments."""
+        timer_id = validate.text("timer_id", timer_id)
         due = validate.epoch("due", due)
         if every is not None:
             every = validate.positive_int("every", every)
             if key is not None:
-                raise validate.errors.InvalidTimer(
+                raise errors.InvalidTimer(
                     "key", key, "cannot be fixed on a recurring timer (every is set)")
         if key is not None:
             key = validate.event_key("key", key)
         encoded = validate.mapping_payload("payload", payload, self.max_payload_bytes)
-        with db.connection(self._pool) as conn:
-            timers.upsert(conn, user, timer_id, base=due, delay=0, every=every,
-                          payload_json=encoded, key=key)
+        return {"timer_id": timer_id, "base": due, "delay": 0, "every": every,
+                "payload_json": encoded, "key": key}
+
+    def _checked_approval(self, request_id, expires_in, action) -> tuple[str, dict]:
+        """request_approval's arguments, checked: the request id and the expiry
+        timer's upsert arguments (all but its base time)."""
+        request_id = validate.text("request_id", request_id)
+        expires_in = validate.epoch("expires_in", expires_in)
+        encoded = validate.mapping_payload(
+            "action", {"approval": request_id, "answer": "expired", "action": action},
+            self.max_payload_bytes)
+        return request_id, {"delay": expires_in, "every": None, "payload_json": encoded,
+                            "key": ("approval", request_id)}
 
     def timers(self, user: str) -> list[Timer]:
         user = validate.text("user", user)
@@ -162,16 +277,10 @@ class Inbox:
         """Arm the approval's expiry timer; returns the deadline (epoch seconds).
         The answer or the expiry comes back as the event ('approval', request_id)."""
         user = validate.text("user", user)
-        request_id = validate.text("request_id", request_id)
-        expires_in = validate.epoch("expires_in", expires_in)
+        request_id, row = self._checked_approval(request_id, expires_in, action)
         now = validate.optional_epoch("now", now)
-        encoded = validate.mapping_payload(
-            "action", {"approval": request_id, "answer": "expired", "action": action},
-            self.max_payload_bytes)
         with db.connection(self._pool) as conn:
-            return timers.upsert(conn, user, approvals.expiry_timer_id(request_id), base=now,
-                                 delay=expires_in, every=None, payload_json=encoded,
-                                 key=("approval", request_id))
+            return timers.upsert(conn, user, approvals.expiry_timer_id(request_id), base=now, **row)
 
     def answer_approval(self, user: str, request_id: str, answer: str, *,
                         now: int | None = None) -> str:
@@ -193,7 +302,7 @@ class Inbox:
         user = validate.text("user", user)
         now = validate.optional_epoch("now", now)
         if not callable(send):
-            raise validate.errors.InvalidInput("send", send, "must be callable")
+            raise errors.InvalidInput("send", send, "must be callable")
         with db.transaction(self._pool) as conn:
             held = outbox.take_held(conn, user, self.outbox_gap, now)
             if held is None:

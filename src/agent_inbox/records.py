@@ -18,6 +18,8 @@ class Event:
     error: str | None
     claim_gen: int | None
     created_at: int
+    available_at: int
+    claimed_at: int | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,3 +45,21 @@ class Lease:
     holder: str
     gen: int
     until: int
+
+
+@dataclass(frozen=True, slots=True)
+class ClaimPolicy:
+    """How claims count attempts and space out retries.
+
+    A claimed event's retry becomes claimable `min(cap, base * 2**(attempts-1))`
+    seconds after its claim, scaled by a random factor in [0.5, 1] (jitter), so
+    retries of many events do not arrive in lockstep.
+    """
+
+    max_attempts: int = 3
+    backoff_base: int = 5
+    backoff_cap: int = 300
+
+    def params(self) -> dict[str, int]:
+        return {"max_attempts": self.max_attempts, "backoff_base": self.backoff_base,
+                "backoff_cap": self.backoff_cap}

@@ -3,7 +3,9 @@
 Alembic's migrations create these tables and `alembic check` proves the two agree;
 runtime SQL never goes through SQLAlchemy. Every table carries `user_id` in its
 primary key, so a run touches one user's rows only and the schema can be
-distributed by `user_id`. Times are bigint epoch seconds: the timer occurrence key
+distributed by `user_id`. A trigger (see the
+first migration) gives every user with an event a lease row and notifies
+waiting workers. Times are bigint epoch seconds: the timer occurrence key
 `<timer_id>@<scheduled_at>` must stay exact whole seconds.
 """
 
@@ -20,6 +22,8 @@ NAMING_CONVENTION = {
 
 EVENT_STATUSES = ("pending", "running", "done", "dead")
 
+DB_CLOCK = sa.text("floor(extract(epoch from clock_timestamp()))::bigint")
+
 metadata = sa.MetaData(naming_convention=NAMING_CONVENTION)
 
 events = sa.Table(
@@ -34,12 +38,10 @@ events = sa.Table(
     sa.Column("attempts", sa.Integer, nullable=False, server_default="0"),
     sa.Column("claim_gen", sa.BigInteger),
     sa.Column("error", sa.Text),
-    sa.Column(
-        "created_at",
-        sa.BigInteger,
-        nullable=False,
-        server_default=sa.text("floor(extract(epoch from clock_timestamp()))::bigint"),
-    ),
+    sa.Column("created_at", sa.BigInteger, nullable=False, server_default=DB_CLOCK),
+    # A retry is claimable again from here: set at claim to now + backoff.
+    sa.Column("available_at", sa.BigInteger, nullable=False, server_default=DB_CLOCK),
+    sa.Column("claimed_at", sa.BigInteger),
     sa.PrimaryKeyConstraint("user_id", "id"),
     sa.UniqueConstraint("user_id", "source", "source_id"),
     sa.CheckConstraint(
@@ -48,10 +50,18 @@ events = sa.Table(
     sa.CheckConstraint("attempts >= 0", name="attempts"),
 )
 
-# Claim and work-finding read only a user's open events: keep that index small.
+# Claim reads one user's open events; finding work reads open events across users
+# oldest-claimable first. Both indexes hold open events only, so their size follows
+# the work waiting, not the number of users or of finished events.
 sa.Index(
     "ix_events_open",
     events.c.user_id,
+    events.c.id,
+    postgresql_where=sa.text("status IN ('pending', 'running')"),
+)
+sa.Index(
+    "ix_events_claimable",
+    events.c.available_at,
     events.c.id,
     postgresql_where=sa.text("status IN ('pending', 'running')"),
 )
@@ -99,6 +109,8 @@ outbox = sa.Table(
     sa.Column("body", sa.Text, nullable=False),
     sa.Column("created", sa.BigInteger, nullable=False),
     sa.Column("sent_at", sa.BigInteger),
+    # Urgent messages are sent at once, regardless of the user's outbox gap.
+    sa.Column("urgent", sa.Boolean, nullable=False, server_default=sa.false()),
     sa.PrimaryKeyConstraint("user_id", "id"),
 )
 

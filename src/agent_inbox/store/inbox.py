@@ -9,12 +9,12 @@ event is parked as 'dead', where operators can see it.
 
 from psycopg.rows import class_row
 
-from agent_inbox.records import Event
-from agent_inbox.store import lease
+from agent_inbox.records import ClaimPolicy, Event
 from agent_inbox.store.clock import NOW
 
 EVENT_COLUMNS = (
-    'id, user_id AS "user", source, source_id, payload, status, attempts, error, claim_gen, created_at'
+    'id, user_id AS "user", source, source_id, payload, status, attempts, error, claim_gen,'
+    ' created_at, available_at, claimed_at'
 )
 
 # Invariant 1: ON CONFLICT turns a redelivery into a no-op.
@@ -31,79 +31,159 @@ def insert(conn, user: str, source: str, source_id: str, payload_json: str) -> b
     return conn.execute(INSERT, params).fetchone() is not None
 
 
-# Invariant 4, in one statement, for a caller holding the lease row lock:
+# Invariant 4, as CTEs that follow a CTE `run(user_id, gen, now)` naming the
+# user whose lease the caller holds (locked) and the generation claiming:
 #   rows left running by an older generation count as pending again;
 #   open rows with attempts >= max_attempts become dead;
-#   the oldest retry (attempts > 0) is claimed alone, else every pending row;
-#   attempts + 1 and claim_gen are stamped at claim.
+#   the oldest due retry (attempts > 0, available_at <= now) is claimed alone,
+#   else every fresh event (attempts = 0); retries still backing off wait;
+#   attempts + 1, claim_gen, claimed_at and the next retry's available_at
+#   (exponential backoff from this claim, capped, with jitter) are stamped at claim.
 # Rows whose state does not change are not written.
-CLAIM = f"""
-WITH open AS (
-    SELECT id, status, attempts, attempts >= %(max_attempts)s AS exhausted
-      FROM events
-     WHERE user_id = %(user)s
-       AND (status = 'pending' OR (status = 'running' AND claim_gen < %(gen)s))
-       AND {lease.FENCE}
+CLAIM_STEPS = f"""
+open AS (
+    SELECT e.id, e.status, e.attempts,
+           e.attempts >= %(max_attempts)s AS exhausted, e.available_at <= run.now AS due
+      FROM events e, run
+     WHERE e.user_id = run.user_id
+       AND (e.status = 'pending' OR (e.status = 'running' AND e.claim_gen < run.gen))
 ), retry AS (
-    SELECT min(id) AS id FROM open WHERE NOT exhausted AND attempts > 0
+    SELECT min(id) AS id FROM open WHERE NOT exhausted AND attempts > 0 AND due
 ), plan AS (
     SELECT o.id, o.status AS old_status,
            CASE WHEN o.exhausted THEN 'dead'
-                WHEN r.id IS NULL OR o.id = r.id THEN 'running'
+                WHEN r.id IS NOT NULL AND o.id = r.id THEN 'running'
+                WHEN r.id IS NULL AND o.attempts = 0 THEN 'running'
                 ELSE 'pending' END AS status
       FROM open o CROSS JOIN retry r
 ), changed AS (
     UPDATE events e
        SET status = p.status,
            attempts = e.attempts + (p.status = 'running')::int,
-           claim_gen = CASE WHEN p.status = 'running' THEN %(gen)s ELSE e.claim_gen END,
+           claim_gen = CASE WHEN p.status = 'running' THEN run.gen ELSE e.claim_gen END,
+           claimed_at = CASE WHEN p.status = 'running' THEN run.now ELSE e.claimed_at END,
+           available_at = CASE WHEN p.status = 'running'
+                               THEN run.now + floor(least(%(backoff_cap)s::float8,
+                                                          %(backoff_base)s * 2 ^ e.attempts)
+                                                    * (0.5 + random() / 2))::bigint
+                               ELSE e.available_at END,
            error = CASE WHEN p.status = 'dead' THEN 'too many attempts' ELSE e.error END
-      FROM plan p
-     WHERE e.user_id = %(user)s AND e.id = p.id
+      FROM plan p, run
+     WHERE e.user_id = run.user_id AND e.id = p.id
        AND (p.status <> 'pending' OR p.old_status <> 'pending')
  RETURNING e.*
-)
-SELECT {EVENT_COLUMNS} FROM changed WHERE status = 'running' ORDER BY id
+), claimed AS (
+    SELECT {EVENT_COLUMNS} FROM changed WHERE status = 'running'
+)"""
+
+# For a holder that already holds the lease (claim_batch): the fence, then claim.
+CLAIM = f"""
+WITH run AS (
+    SELECT l.user_id, l.gen, clock.now
+      FROM leases l, (SELECT {NOW} AS now) clock
+     WHERE l.user_id = %(user)s AND l.holder = %(holder)s AND l.gen = %(gen)s
+       AND l.until >= clock.now
+), {CLAIM_STEPS}
+SELECT * FROM claimed ORDER BY id
 """
 
 
-def claim(conn, user: str, holder: str, gen: int, max_attempts: int, now: int | None) -> list[Event]:
-    params = {"user": user, "holder": holder, "gen": gen, "max_attempts": max_attempts, "now": now}
+def claim(conn, user: str, holder: str, gen: int, policy: ClaimPolicy, now: int | None) -> list[Event]:
+    params = {"user": user, "holder": holder, "gen": gen, "now": now, **policy.params()}
     with conn.cursor(row_factory=class_row(Event)) as cur:
         return cur.execute(CLAIM, params).fetchall()
 
 
-# Invariant 3: the outcome is written only if the fence holds and every event
-# named is still running under this generation; otherwise nothing is written.
-# Messages are queued by the same statement, so they commit with the outcome.
+# Spans users (finding work), then one user's claim, in one statement and one
+# round trip: the user whose oldest claimable event has waited longest, among
+# users whose lease is free or expired; lease rows other workers are taking are
+# skipped, never waited on; the chosen lease is taken over (gen + 1) and its
+# claim made. Only open events are read, through ix_events_claimable, so the
+# cost follows the work waiting, not the number of idle users.
+TAKE_WORK = f"""
+WITH clock AS (
+    SELECT {NOW} AS now
+), pick AS (
+    SELECT l.user_id
+      FROM events e JOIN leases l ON l.user_id = e.user_id, clock
+     WHERE e.status IN ('pending', 'running') AND e.available_at <= clock.now
+       AND l.until < clock.now
+     ORDER BY e.available_at, e.id
+     LIMIT 1
+       FOR UPDATE OF l SKIP LOCKED
+), took AS (
+    UPDATE leases l
+       SET holder = %(holder)s, gen = l.gen + 1, until = clock.now + %(ttl)s
+      FROM pick, clock
+     WHERE l.user_id = pick.user_id
+ RETURNING l.user_id, l.gen
+), run AS (
+    SELECT took.user_id, took.gen, clock.now FROM took, clock
+), {CLAIM_STEPS}
+SELECT run.user_id, run.gen, run.now, claimed.*
+  FROM run LEFT JOIN claimed ON true
+ ORDER BY claimed.id
+"""
+
+
+def take_work(conn, holder: str, ttl: int, policy: ClaimPolicy, now: int | None):
+    """(user, gen, claimed_at, events) for the user taken, or None if no user
+    has claimable work whose lease is free."""
+    params = {"holder": holder, "ttl": ttl, "now": now, **policy.params()}
+    rows = conn.execute(TAKE_WORK, params).fetchall()
+    if not rows:
+        return None
+    user, gen, claimed_at = rows[0][:3]
+    events = [Event(*row[3:]) for row in rows if row[3] is not None]
+    return user, gen, claimed_at, events
+
+
+# Invariant 3: the outcome is written only if this holder holds this generation,
+# unexpired, and every event named is still running under it; otherwise nothing
+# is written. Messages are queued by the same statement, so they commit with the
+# outcome; with `release` the lease is expired at once in the same commit.
 FINISH = f"""
-WITH mine AS (
+WITH clock AS (
+    SELECT {NOW} AS now
+), mine AS (
     SELECT id FROM events
      WHERE user_id = %(user)s AND id = ANY(%(ids)s::bigint[])
        AND status = 'running' AND claim_gen = %(gen)s
 ), verdict AS (
-    SELECT {lease.FENCE} AND (SELECT count(*) FROM mine) = cardinality(%(ids)s::bigint[]) AS ok
+    SELECT EXISTS (SELECT 1 FROM leases
+                    WHERE user_id = %(user)s AND holder = %(holder)s AND gen = %(gen)s
+                      AND until >= clock.now)
+           AND (SELECT count(*) FROM mine) = cardinality(%(ids)s::bigint[]) AS ok
+      FROM clock
 ), closed AS (
     UPDATE events e SET status = %(status)s, error = %(error)s
       FROM mine, verdict
      WHERE verdict.ok AND e.user_id = %(user)s AND e.id = mine.id
 ), queued AS (
-    INSERT INTO outbox (user_id, body, created)
-    SELECT %(user)s, m.body, {NOW}
-      FROM unnest(%(messages)s::text[]) WITH ORDINALITY AS m(body, n), verdict
+    INSERT INTO outbox (user_id, body, urgent, created)
+    SELECT %(user)s, m.body, m.urgent, clock.now
+      FROM unnest(%(messages)s::text[], %(urgent)s::boolean[]) WITH ORDINALITY AS m(body, urgent, n),
+           clock, verdict
      WHERE verdict.ok
      ORDER BY m.n
+), released AS (
+    UPDATE leases l SET until = clock.now - 1
+      FROM clock, verdict
+     WHERE verdict.ok AND %(release)s AND l.user_id = %(user)s
 )
 SELECT ok FROM verdict
 """
 
 
-def finish(conn, user: str, holder: str, gen: int, ids: list[int], messages: list[str],
-           error: str | None, now: int | None) -> bool:
+def finish(conn, user: str, holder: str, gen: int, ids: list[int], messages: list[tuple[str, bool]],
+           error: str | None, now: int | None, *, release: bool = False) -> bool:
+    """`messages` are (body, urgent) pairs, queued only when error is None."""
+    queued = [] if error is not None else messages
     params = {
         "user": user, "holder": holder, "gen": gen, "ids": ids, "now": now,
         "status": "pending" if error is not None else "done", "error": error,
-        "messages": [] if error is not None else messages,
+        "messages": [body for body, _ in queued], "urgent": [urgent for _, urgent in queued],
+        "release": release,
     }
     return conn.execute(FINISH, params).fetchone()[0]
 

@@ -60,8 +60,34 @@ def acquire(conn, user: str, holder: str, ttl: int, now: int | None) -> int | No
     return row[0] if row else None
 
 
-# Invariant 3, the fence: a fragment for claim and finish, true only while this
-# holder holds this generation, unexpired (at the statement's clock reading).
-FENCE = f"""EXISTS (SELECT 1 FROM leases
-                    WHERE user_id = %(user)s AND holder = %(holder)s AND gen = %(gen)s
-                      AND until >= {NOW})"""
+# Invariant 2: extend only the lease this holder holds in this generation, unexpired.
+RENEW = f"""
+WITH clock AS (SELECT {NOW} AS now)
+UPDATE leases l SET until = clock.now + %(ttl)s
+  FROM clock
+ WHERE l.user_id = %(user)s AND l.holder = %(holder)s AND l.gen = %(gen)s AND l.until >= clock.now
+RETURNING l.until
+"""
+
+
+def renew(conn, user: str, holder: str, gen: int, ttl: int, now: int | None) -> int | None:
+    """The new expiry, or None if the lease was lost (expired or taken over)."""
+    row = conn.execute(RENEW, {"user": user, "holder": holder, "gen": gen, "ttl": ttl,
+                               "now": now}).fetchone()
+    return row[0] if row else None
+
+
+# Expire the lease at once, keeping its generation: the next worker takes over
+# without waiting for the TTL, and the releasing holder's late finish is refused.
+RELEASE = f"""
+WITH clock AS (SELECT {NOW} AS now)
+UPDATE leases l SET until = clock.now - 1
+  FROM clock
+ WHERE l.user_id = %(user)s AND l.holder = %(holder)s AND l.gen = %(gen)s AND l.until >= clock.now
+RETURNING l.gen
+"""
+
+
+def release(conn, user: str, holder: str, gen: int, now: int | None) -> bool:
+    return conn.execute(RELEASE, {"user": user, "holder": holder, "gen": gen,
+                                  "now": now}).fetchone() is not None

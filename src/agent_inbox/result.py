@@ -1,0 +1,46 @@
+"""What a handler returns: everything one run produces, committed together.
+
+`Result(messages=[...], timers=[...], approvals=[...])` is written in the run's one
+fenced finish transaction, or not at all; `Result(error="...")` (or a raised
+exception) puts the run's events back for a retry and writes nothing else.
+"""
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Message:
+    """An outgoing message; an urgent one is sent at once, regardless of the gap."""
+
+    body: str
+    urgent: bool = False
+
+
+@dataclass(frozen=True)
+class TimerRequest:
+    """A timer to create or replace, as `Inbox.add_timer` takes it."""
+
+    timer_id: str
+    due: int
+    payload: Mapping[str, Any] = field(default_factory=dict)
+    every: int | None = None
+    key: tuple[str, str] | None = None
+
+
+@dataclass(frozen=True)
+class ApprovalRequest:
+    """A deferred tool call: the answer or its expiry comes back as an event."""
+
+    request_id: str
+    expires_in: int
+    action: Any = None
+
+
+@dataclass(frozen=True)
+class Result:
+    messages: tuple = ()   # str or Message
+    timers: tuple = ()     # TimerRequest
+    approvals: tuple = ()  # ApprovalRequest
+    error: str | None = None
