@@ -16,11 +16,14 @@ from agent_inbox.errors import (
     PayloadTooLarge,
     SchemaNotAtHead,
 )
-from agent_inbox.inbox import Inbox
+from agent_inbox.handler import Context
+from agent_inbox.inbox import Inbox, Run
 from agent_inbox.records import Event, Lease, OutboxMessage, Timer
+from agent_inbox.result import ApprovalRequest, Message, Result, TimerRequest
 
 __all__ = [
-    "AgentInboxError", "DatabaseUnavailable", "Event", "Inbox", "InvalidAnswer", "InvalidInput",
-    "InvalidPayload", "InvalidTime", "InvalidTimer", "Lease", "OutboxMessage", "PayloadTooLarge",
-    "SchemaNotAtHead", "Timer",
+    "AgentInboxError", "ApprovalRequest", "Context", "DatabaseUnavailable", "Event", "Inbox",
+    "InvalidAnswer", "InvalidInput", "InvalidPayload", "InvalidTime", "InvalidTimer", "Lease",
+    "Message", "OutboxMessage", "PayloadTooLarge", "Result", "Run", "SchemaNotAtHead", "Timer",
+    "TimerRequest",
 ]

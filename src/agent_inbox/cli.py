@@ -5,6 +5,7 @@ Every option can also be given as an environment variable AGENT_INBOX_<OPTION>
 """
 
 import argparse
+import logging
 import os
 import sys
 
@@ -42,6 +43,66 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _open_service_inbox(args: argparse.Namespace, pool_size: int, **options):
+    """Logging, the schema check (refuse to start on a schema not at head), the pool."""
+    from agent_inbox import Inbox, migrate
+
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    if not args.database_url:
+        raise errors.InvalidInput("--database-url", None, "is required (or AGENT_INBOX_DATABASE_URL)")
+    migrate.require_head(args.database_url)
+    return Inbox.connect(args.database_url, pool_size=pool_size,
+                         application_name=f"agent-inbox-{args.command}", **options)
+
+
+def cmd_worker(args: argparse.Namespace) -> int:
+    from agent_inbox.service import Stop
+    from agent_inbox.worker import Worker
+
+    stop = Stop().install()
+    with _open_service_inbox(args, args.concurrency + 2, lease_ttl=args.lease_ttl,
+                             max_attempts=args.max_attempts,
+                             retry_backoff=args.retry_backoff) as inbox:
+        Worker(inbox, args.handler, concurrency=args.concurrency,
+               poll_interval=args.poll_interval, grace=args.grace,
+               isolate_retries=not args.no_isolate_retries, stop=stop).serve(args.database_url)
+    return 0
+
+
+def cmd_scheduler(args: argparse.Namespace) -> int:
+    from agent_inbox.scheduler import Scheduler
+    from agent_inbox.service import Stop
+
+    stop = Stop().install()
+    with _open_service_inbox(args, 2) as inbox:
+        Scheduler(inbox, poll_interval=args.poll_interval, stop=stop).serve(args.database_url)
+    return 0
+
+
+def cmd_dispatcher(args: argparse.Namespace) -> int:
+    from agent_inbox import handler
+    from agent_inbox.dispatcher import Dispatcher
+    from agent_inbox.service import Stop
+
+    channel = handler.load(args.channel)
+    stop = Stop().install()
+    with _open_service_inbox(args, 2, outbox_gap=args.outbox_gap) as inbox:
+        Dispatcher(inbox, channel, poll_interval=args.poll_interval, stop=stop).serve(
+            args.database_url)
+    return 0
+
+
+def _service_parser(commands, name: str, help_text: str, poll_default: float):
+    parser = commands.add_parser(name, help=help_text)
+    _add_database_url(parser, required=True)
+    parser.add_argument("--poll-interval", type=float, default=env_default("poll-interval", poll_default),
+                        help=f"seconds between polls when no notification comes (default {poll_default})")
+    parser.add_argument("--log-level", default=env_default("log-level", "info"),
+                        choices=["debug", "info", "warning", "error"])
+    return parser
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="agent-inbox", description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
@@ -56,6 +117,33 @@ def build_parser() -> argparse.ArgumentParser:
     demo = commands.add_parser("demo", help="run the eight failure scenarios of the reference")
     _add_database_url(demo, required=False)
     demo.set_defaults(run=cmd_demo)
+
+    worker = _service_parser(commands, "worker", "run handlers for users with work", 1.0)
+    worker.add_argument("--handler", default=env_default("handler"), required=not env_default("handler"),
+                        help="module:function called as handle(batch, ctx)")
+    worker.add_argument("--concurrency", type=int, default=env_default("concurrency", 1),
+                        help="users' runs at once in this process (default 1)")
+    worker.add_argument("--lease-ttl", type=int, default=env_default("lease-ttl", 120),
+                        help="seconds a lease lasts without renewal (default 120)")
+    worker.add_argument("--max-attempts", type=int, default=env_default("max-attempts", 3))
+    worker.add_argument("--retry-backoff", type=int, default=env_default("retry-backoff", 5),
+                        help="first retry's backoff in seconds, doubling per attempt (default 5)")
+    worker.add_argument("--grace", type=float, default=env_default("grace", 30.0),
+                        help="seconds running handlers get to finish on SIGTERM (default 30)")
+    worker.add_argument("--no-isolate-retries", action="store_true",
+                        default=env_default("no-isolate-retries", "") not in ("", "0", "false"),
+                        help="run retried events in this process, not in a child process")
+    worker.set_defaults(run=cmd_worker)
+
+    scheduler = _service_parser(commands, "scheduler", "turn due timers into inbox events", 5.0)
+    scheduler.set_defaults(run=cmd_scheduler)
+
+    dispatcher = _service_parser(commands, "dispatcher", "send held outbox messages, paced", 5.0)
+    dispatcher.add_argument("--channel", default=env_default("channel"), required=not env_default("channel"),
+                            help="module:function called as send(user, text, key)")
+    dispatcher.add_argument("--outbox-gap", type=int, default=env_default("outbox-gap", 3600),
+                            help="seconds between sends to one user (default 3600)")
+    dispatcher.set_defaults(run=cmd_dispatcher)
     return parser
 
 

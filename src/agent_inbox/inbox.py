@@ -66,6 +66,11 @@ class Inbox:
             raise
 
     @property
+    def pool(self):
+        """The connection pool, for services' own cross-user scans."""
+        return self._pool
+
+    @property
     def max_attempts(self) -> int:
         return self.policy.max_attempts
 
@@ -296,19 +301,28 @@ class Inbox:
     # --- outbox -------------------------------------------------------------
 
     def dispatch(self, user: str, send: Callable[[str], Any], *, now: int | None = None) -> int:
-        """Send the user's held messages as one text, at most once per outbox_gap;
-        the number of messages sent. `send(text)` is called at most once, inside
-        the transaction that marks the rows sent: if it raises, nothing is marked."""
-        user = validate.text("user", user)
-        now = validate.optional_epoch("now", now)
+        """Send the user's held messages as one text, at most once per outbox_gap
+        (an urgent message goes at once); the number of messages sent. `send(text)`
+        is called at most once, inside the transaction that marks the rows sent:
+        if it raises, nothing is marked."""
         if not callable(send):
             raise errors.InvalidInput("send", send, "must be callable")
+        return self.dispatch_batch(user, lambda text, key: send(text), now=now)
+
+    def dispatch_batch(self, user: str, deliver: Callable[[str, str], Any], *,
+                       now: int | None = None) -> int:
+        """As `dispatch`, with `deliver(text, key)`: `key` names the batch of rows
+        (`<user>:<first id>-<last id>`) so a channel can drop a repeat."""
+        user = validate.text("user", user)
+        now = validate.optional_epoch("now", now)
+        if not callable(deliver):
+            raise errors.InvalidInput("deliver", deliver, "must be callable")
         with db.transaction(self._pool) as conn:
             held = outbox.take_held(conn, user, self.outbox_gap, now)
             if held is None:
                 return 0
             ids, bodies, sent_at = held
-            send("\n\n".join(bodies))
+            deliver("\n\n".join(bodies), f"{user}:{ids[0]}-{ids[-1]}")
             outbox.mark_sent(conn, user, ids, sent_at)
             return len(ids)
 

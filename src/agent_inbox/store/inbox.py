@@ -10,6 +10,7 @@ event is parked as 'dead', where operators can see it.
 from psycopg.rows import class_row
 
 from agent_inbox.records import ClaimPolicy, Event
+from agent_inbox.store import notify
 from agent_inbox.store.clock import NOW
 
 EVENT_COLUMNS = (
@@ -171,7 +172,9 @@ WITH clock AS (
       FROM clock, verdict
      WHERE verdict.ok AND %(release)s AND l.user_id = %(user)s
 )
-SELECT ok FROM verdict
+SELECT ok, CASE WHEN ok AND cardinality(%(messages)s::text[]) > 0
+                THEN pg_notify('{notify.OUTBOX}', '') END
+  FROM verdict
 """
 
 

@@ -18,15 +18,21 @@ TRY_LOCK_USER = """
 SELECT pg_try_advisory_xact_lock(hashtextextended('agent_inbox.outbox:' || %(user)s, 0))
 """
 
-# The held rows, if the user's last send is at least `gap` seconds old.
+# The held rows, if the user's last send is at least `gap` seconds old or one of
+# them is urgent.
 HELD = f"""
-WITH clock AS (SELECT {NOW} AS now),
-last AS (SELECT max(sent_at) AS sent_at FROM outbox WHERE user_id = %(user)s)
-SELECT o.id, o.body, clock.now
-  FROM outbox o, clock, last
- WHERE o.user_id = %(user)s AND o.sent_at IS NULL
-   AND (last.sent_at IS NULL OR clock.now - last.sent_at >= %(gap)s)
- ORDER BY o.id
+WITH clock AS (
+    SELECT {NOW} AS now
+), last AS (
+    SELECT max(sent_at) AS sent_at FROM outbox WHERE user_id = %(user)s
+), held AS (
+    SELECT id, body, urgent FROM outbox WHERE user_id = %(user)s AND sent_at IS NULL
+)
+SELECT h.id, h.body, clock.now
+  FROM held h, clock, last
+ WHERE last.sent_at IS NULL OR clock.now - last.sent_at >= %(gap)s
+    OR EXISTS (SELECT 1 FROM held WHERE urgent)
+ ORDER BY h.id
 """
 
 MARK_SENT = """
@@ -46,6 +52,25 @@ def take_held(conn, user: str, gap: int, now: int | None) -> tuple[list[int], li
 
 def mark_sent(conn, user: str, ids: list[int], now: int) -> None:
     conn.execute(MARK_SENT, {"user": user, "ids": ids, "now": now})
+
+
+# Spans users (the dispatcher's scan): users holding messages whose send is due.
+USERS_DUE = f"""
+WITH clock AS (SELECT {NOW} AS now)
+SELECT h.user_id
+  FROM (SELECT user_id, bool_or(urgent) AS urgent FROM outbox
+         WHERE sent_at IS NULL GROUP BY user_id) h, clock
+ WHERE h.urgent
+    OR NOT EXISTS (SELECT 1 FROM outbox s
+                    WHERE s.user_id = h.user_id AND s.sent_at > clock.now - %(gap)s)
+ ORDER BY h.user_id
+ LIMIT %(limit)s
+"""
+
+
+def users_due(conn, gap: int, now: int | None, limit: int) -> list[str]:
+    rows = conn.execute(USERS_DUE, {"gap": gap, "now": now, "limit": limit}).fetchall()
+    return [r[0] for r in rows]
 
 
 LIST = """

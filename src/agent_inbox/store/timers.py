@@ -10,7 +10,8 @@ schedulers may run at once: due rows are taken with FOR UPDATE SKIP LOCKED.
 
 
 from agent_inbox.records import Timer
-from agent_inbox.store.clock import DB_CLOCK
+from agent_inbox.store import notify
+from agent_inbox.store.clock import DB_CLOCK, NOW
 
 # Replacing a timer re-arms it; due is `base + delay`, base defaulting to the
 # database clock (request_approval's deadline is now + expires_in).
@@ -22,7 +23,7 @@ ON CONFLICT (user_id, timer_id) DO UPDATE
    SET due = excluded.due, every = excluded.every, payload = excluded.payload,
        event_source = excluded.event_source, event_source_id = excluded.event_source_id,
        done = false
-RETURNING due
+RETURNING due, pg_notify('{notify.TIMERS}', '')
 """
 
 
@@ -77,6 +78,16 @@ SELECT count(*) FROM occurrence
 
 def fire_due(conn, now: int | None, limit: int) -> int:
     return conn.execute(FIRE_DUE, {"now": now, "limit": limit}).fetchone()[0]
+
+
+# Spans users (the scheduler's sleep): seconds until the next timer is due.
+NEXT_DUE = f"""
+SELECT greatest(0, min(due) - {NOW}) FROM timers WHERE NOT done
+"""
+
+
+def seconds_to_next_due(conn, now: int | None) -> int | None:
+    return conn.execute(NEXT_DUE, {"now": now}).fetchone()[0]
 
 
 LIST = """

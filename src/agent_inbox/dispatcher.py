@@ -1,0 +1,47 @@
+"""The dispatcher service: held outbox messages go out through a channel, paced.
+
+A channel is `send(user, text, key)`; `key` names the batch of outbox rows
+(`<user>:<first id>-<last id>`) so a channel can drop a repeat. Per user, at most
+one send per outbox gap, except that an urgent message goes at once (with
+whatever else is held). Safe to run as many copies as you like: each user's
+dispatch holds a per-user transaction lock and marks its rows sent in the
+transaction that sent them.
+"""
+
+import logging
+
+from agent_inbox import db
+from agent_inbox.inbox import Inbox
+from agent_inbox.service import Listener, Stop, Waker, serve
+from agent_inbox.store import notify, outbox
+
+log = logging.getLogger("agent_inbox.dispatcher")
+
+# Users looked at per pass; a pass that fills it runs again at once.
+USERS_PER_PASS = 1000
+
+
+class Dispatcher:
+    def __init__(self, inbox: Inbox, channel, *, poll_interval: float = 5.0,
+                 stop: Stop | None = None):
+        self.inbox = inbox
+        self.channel = channel
+        self.poll_interval = poll_interval
+        self.stop = stop or Stop()
+        self.waker = Waker(1)
+
+    def run_once(self, *, now: int | None = None) -> float | None:
+        """Dispatch for every user with a send due; 0 to run again at once when the
+        pass was full, else None (sleep the polling interval)."""
+        with db.connection(self.inbox.pool) as conn:
+            users = outbox.users_due(conn, self.inbox.outbox_gap, now, USERS_PER_PASS)
+        for user in users:
+            sent = self.inbox.dispatch_batch(
+                user, lambda text, key, user=user: self.channel(user, text, key), now=now)
+            if sent:
+                log.info("sent user=%s messages=%d", user, sent)
+        return 0.0 if len(users) == USERS_PER_PASS else None
+
+    def serve(self, url: str) -> None:
+        Listener(url, [notify.OUTBOX], self.waker.wake_one, self.stop).start()
+        serve("dispatcher", self.run_once, self.waker.wait, self.stop, self.poll_interval)

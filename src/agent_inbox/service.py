@@ -1,0 +1,128 @@
+"""What every long-running service shares: signals, wake-ups, reconnects.
+
+A service is a `run_once()` called in a loop. Between passes it sleeps until a
+wake-up: a PostgreSQL notification (LISTEN), or the polling interval (with
+jitter) for when notifications are lost or a pooler drops them. A database
+fault never ends a service: it backs off (exponential, capped, jittered) and
+tries again. No service sleeps through `run_once` in tests: they call it.
+"""
+
+import logging
+import os
+import random
+import signal
+import threading
+from collections.abc import Callable, Iterator
+
+import psycopg
+
+from agent_inbox import errors
+
+log = logging.getLogger("agent_inbox")
+
+
+def backoff_delays(base: float = 0.5, cap: float = 30.0) -> Iterator[float]:
+    """0.5 s, 1 s, 2 s ... up to `cap`, each scaled by a random factor in [0.5, 1]."""
+    delay = base
+    while True:
+        yield delay * random.uniform(0.5, 1.0)
+        delay = min(cap, delay * 2)
+
+
+def jittered(seconds: float) -> float:
+    return seconds * random.uniform(0.8, 1.2)
+
+
+class Stop:
+    """Set by the first SIGTERM or SIGINT; the second one exits at once."""
+
+    def __init__(self):
+        self.event = threading.Event()
+
+    def install(self) -> "Stop":
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(signum, self._on_signal)
+        return self
+
+    def _on_signal(self, signum, frame) -> None:
+        if self.event.is_set():
+            log.warning("second %s: exiting at once", signal.Signals(signum).name)
+            os._exit(128 + signum)
+        log.info("%s: stopping", signal.Signals(signum).name)
+        self.event.set()
+
+    def is_set(self) -> bool:
+        return self.event.is_set()
+
+    def wait(self, seconds: float) -> bool:
+        return self.event.wait(seconds)
+
+
+class Waker:
+    """Wake-ups for idle loops: one notification wakes one waiter, not all of them
+    (no stampede on the same work); wake-ups that come while every waiter is busy
+    are remembered, up to one per waiter."""
+
+    def __init__(self, waiters: int = 1):
+        self._condition = threading.Condition()
+        self._pending = 0
+        self._cap = waiters
+
+    def wake_one(self) -> None:
+        with self._condition:
+            self._pending = min(self._cap, self._pending + 1)
+            self._condition.notify()
+
+    def wake_all(self) -> None:
+        with self._condition:
+            self._pending = self._cap
+            self._condition.notify_all()
+
+    def wait(self, timeout: float) -> None:
+        with self._condition:
+            if not self._pending:
+                self._condition.wait(timeout)
+            if self._pending:
+                self._pending -= 1
+
+
+class Listener(threading.Thread):
+    """LISTEN on `channels` on a connection of its own; call `on_notify()` once per
+    notification. Reconnects with backoff; while it is down, services poll."""
+
+    def __init__(self, url: str, channels: list[str], on_notify: Callable[[], None], stop: Stop):
+        super().__init__(name="agent-inbox-listener", daemon=True)
+        self.url, self.channels, self.on_notify, self.stop = url, channels, on_notify, stop
+
+    def run(self) -> None:
+        delays = backoff_delays()
+        while not self.stop.is_set():
+            try:
+                with psycopg.connect(self.url, autocommit=True,
+                                     application_name="agent-inbox-listener") as conn:
+                    for channel in self.channels:
+                        conn.execute(f"LISTEN {channel}")
+                    delays = backoff_delays()
+                    while not self.stop.is_set():
+                        for _ in conn.notifies(timeout=1.0):
+                            self.on_notify()
+            except psycopg.Error as exc:
+                log.warning("listener lost its connection (%s); services poll meanwhile", exc)
+                self.stop.wait(next(delays))
+
+
+def serve(name: str, run_once: Callable[[], float | None], wait: Callable[[float], None],
+          stop: Stop, poll_interval: float) -> None:
+    """Call `run_once` until stopped. It returns how long it may sleep (None: the
+    polling interval); `wait(seconds)` sleeps until then or a wake-up."""
+    delays = backoff_delays()
+    while not stop.is_set():
+        try:
+            pause = run_once()
+            delays = backoff_delays()
+        except errors.DatabaseUnavailable as exc:
+            pause = next(delays)
+            log.warning("%s: database unavailable (%s); retrying in %.1f s", name, exc, pause)
+            stop.wait(pause)
+            continue
+        wait(jittered(poll_interval) if pause is None else min(pause, jittered(poll_interval)))

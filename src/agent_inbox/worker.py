@@ -1,0 +1,192 @@
+"""The worker service: slots that find a user with work, run its handler, finish.
+
+Each slot has its own holder id, unique across hosts and restarts
+(host:pid:slot:random). A slot takes work in one statement (the user whose
+oldest claimable event waited longest, lease taken over, batch claimed), runs
+the handler while a renewer thread extends the lease, and commits everything in
+one fenced finish that also releases the lease. Invariants kept here:
+
+- a run whose lease was lost commits nothing: `ctx.lease_lost` is set, the
+  worker skips the finish (the fence would refuse it anyway) and moves on;
+- a retried event runs in a child process (see handler.py), so a poison event
+  cannot take other users' runs in this process down with it;
+- on SIGTERM/SIGINT the slots stop taking work, running handlers get a grace
+  period, then their leases are released so another worker takes over at once.
+"""
+
+import logging
+import os
+import secrets
+import socket
+import threading
+import time
+from dataclasses import dataclass
+
+from agent_inbox import errors, handler
+from agent_inbox.handler import Context
+from agent_inbox.inbox import Inbox, Run
+from agent_inbox.result import Result
+from agent_inbox.service import Listener, Stop, Waker, backoff_delays, jittered
+from agent_inbox.store import notify
+
+log = logging.getLogger("agent_inbox.worker")
+
+
+def holder_id(slot: int) -> str:
+    return f"{socket.gethostname()}:{os.getpid()}:{slot}:{secrets.token_hex(3)}"
+
+
+@dataclass
+class ActiveRun:
+    run: Run
+    ctx: Context
+    wake: threading.Event
+    lease_started: float  # host monotonic time just before the lease was last extended
+
+
+class Worker:
+    def __init__(self, inbox: Inbox, handler_reference: str, *, concurrency: int = 1,
+                 poll_interval: float = 1.0, grace: float = 30.0, isolate_retries: bool = True,
+                 stop: Stop | None = None):
+        self.inbox = inbox
+        self.reference = handler_reference
+        self.handler = handler.load(handler_reference)
+        self.holders = [holder_id(slot) for slot in range(concurrency)]
+        self.poll_interval = poll_interval
+        self.grace = grace
+        self.isolate_retries = isolate_retries
+        self.stop = stop or Stop()
+        self.waker = Waker(concurrency)
+        self._active: dict[str, ActiveRun] = {}
+        self._lock = threading.Lock()
+
+    # --- one run ----------------------------------------------------------------
+
+    def run_once(self, slot: int = 0, *, now: int | None = None) -> dict[str, int]:
+        """Take one user's work with this slot's holder, run it and finish it.
+        Counts: runs (0 or 1), events, accepted (finishes the fence accepted)."""
+        started = time.monotonic()
+        run = self.inbox.take_work(self.holders[slot], now=now)
+        if run is None:
+            return {"runs": 0, "events": 0, "accepted": 0}
+        active = ActiveRun(run, Context(run.user, run.holder, run.gen), threading.Event(), started)
+        log.info("lease taken user=%s holder=%s gen=%s events=%d",
+                 run.user, run.holder, run.gen, len(run.events))
+        with self._lock:
+            self._active[run.holder] = active
+        try:
+            result = self._execute(active)
+            accepted = result is not None and self._finish(active, result, now)
+        finally:
+            with self._lock:
+                self._active.pop(run.holder, None)
+        return {"runs": 1, "events": len(run.events), "accepted": int(accepted)}
+
+    def _execute(self, active: ActiveRun) -> Result | None:
+        run = active.run
+        if not run.events:  # only exhausted events were due: they are dead now
+            return Result()
+        if self.isolate_retries and any(e.attempts > 1 for e in run.events):
+            return handler.run_in_child(self.reference, run.events, active.ctx)
+        return handler.run_in_thread(self.handler, run.events, active.ctx, active.wake)
+
+    def _finish(self, active: ActiveRun, result: Result, now: int | None) -> bool:
+        run = active.run
+        delays = backoff_delays(cap=5.0)
+        while not active.ctx.lease_lost.is_set():
+            try:
+                accepted = self.inbox.finish_run(run, result, now=now)
+            except errors.DatabaseUnavailable as exc:
+                if time.monotonic() - active.lease_started > self.inbox.lease_ttl:
+                    break
+                log.warning("finish failed user=%s holder=%s gen=%s (%s); retrying",
+                            run.user, run.holder, run.gen, exc)
+                time.sleep(next(delays))
+                continue
+            except errors.InvalidInput as exc:  # the handler's result was malformed
+                log.error("handler result rejected user=%s gen=%s: %s", run.user, run.gen, exc)
+                result = Result(error=f"invalid handler result: {exc}")
+                continue
+            if accepted:
+                log.info("finished user=%s holder=%s gen=%s events=%d error=%s", run.user,
+                         run.holder, run.gen, len(run.events), result.error is not None)
+            else:
+                log.warning("finish refused by the fence user=%s holder=%s gen=%s",
+                            run.user, run.holder, run.gen)
+            return accepted
+        log.warning("lease lost user=%s holder=%s gen=%s: nothing committed",
+                    run.user, run.holder, run.gen)
+        return False
+
+    # --- renewal ------------------------------------------------------------------
+
+    def renew_all(self) -> None:
+        """Extend every running lease; mark the ones that are lost."""
+        with self._lock:
+            running = list(self._active.values())
+        for active in running:
+            run = active.run
+            started = time.monotonic()
+            try:
+                renewed = self.inbox.renew(run.user, run.holder, run.gen) is not None
+            except errors.DatabaseUnavailable:
+                renewed = None
+            if renewed:
+                active.lease_started = started
+            elif renewed is False or started - active.lease_started > self.inbox.lease_ttl:
+                log.warning("lease lost user=%s holder=%s gen=%s (renewal %s)", run.user,
+                            run.holder, run.gen, "refused" if renewed is False else "failed")
+                active.ctx.lease_lost.set()
+                active.wake.set()
+
+    def _renewer(self) -> None:
+        interval = max(0.2, self.inbox.lease_ttl / 4)
+        while not self.stop.wait(interval):
+            self.renew_all()
+
+    # --- the service ----------------------------------------------------------------
+
+    def _slot(self, slot: int) -> None:
+        delays = backoff_delays()
+        while not self.stop.is_set():
+            try:
+                counts = self.run_once(slot)
+                delays = backoff_delays()
+            except errors.DatabaseUnavailable as exc:
+                pause = next(delays)
+                log.warning("slot %d: database unavailable (%s); retrying in %.1f s", slot, exc, pause)
+                self.stop.wait(pause)
+                continue
+            if not counts["runs"]:
+                self.waker.wait(jittered(self.poll_interval))
+
+    def serve(self, url: str) -> None:
+        """Run every slot until SIGTERM/SIGINT, then shut down gracefully."""
+        Listener(url, [notify.WORK], self.waker.wake_one, self.stop).start()
+        threading.Thread(target=self._renewer, name="agent-inbox-renewer", daemon=True).start()
+        slots = [threading.Thread(target=self._slot, args=(n,), name=f"slot-{n}", daemon=True)
+                 for n in range(len(self.holders))]
+        for thread in slots:
+            thread.start()
+        log.info("worker started: %d slots, holders %s", len(slots), ", ".join(self.holders))
+        self.stop.event.wait()
+        self.waker.wake_all()
+        deadline = time.monotonic() + self.grace
+        for thread in slots:
+            thread.join(max(0.0, deadline - time.monotonic()))
+        self.release_running()
+
+    def release_running(self) -> None:
+        """Release the leases of runs still going: another worker takes over now."""
+        with self._lock:
+            running = list(self._active.values())
+        for active in running:
+            run = active.run
+            active.ctx.lease_lost.set()
+            active.wake.set()
+            try:
+                released = self.inbox.release(run.user, run.holder, run.gen)
+            except errors.DatabaseUnavailable:
+                released = False
+            log.warning("shutdown: lease %s user=%s holder=%s gen=%s",
+                        "released" if released else "left to expire", run.user, run.holder, run.gen)
