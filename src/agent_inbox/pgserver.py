@@ -66,7 +66,8 @@ class TemporaryCluster:
     dies with the cluster. Usable as a context manager.
     """
 
-    def __init__(self, *, durable: bool = False, settings: dict[str, str] | None = None):
+    def __init__(self, *, durable: bool = False, settings: dict[str, str] | None = None,
+                 trusted_networks: tuple[str, ...] = ()):
         self.bindir = find_bindir()
         self.account = _server_account()
         self.port = _free_port()
@@ -74,6 +75,7 @@ class TemporaryCluster:
         if not durable:
             self.settings.update(fsync="off", synchronous_commit="off", full_page_writes="off")
         self.settings.update(settings or {})
+        self.trusted_networks = trusted_networks  # CIDRs allowed in without a password
         self.root = Path(tempfile.mkdtemp(prefix="agent-inbox-pg-"))
         self.data = self.root / "data"
         self.log = self.root / "server.log"
@@ -97,6 +99,9 @@ class TemporaryCluster:
         if not self.data.exists():
             self._run(self.bindir / "initdb", "-D", self.data, "-U", "postgres", "-A", "trust",
                       "-E", "UTF8", "--locale=C", "--no-sync")
+            with open(self.data / "pg_hba.conf", "a") as hba:
+                for network in self.trusted_networks:
+                    hba.write(f"host all all {network} trust\n")
         options = " ".join(f"-c {k}={v}" for k, v in self.settings.items())
         self._run(self.bindir / "pg_ctl", "-D", self.data, "-l", self.log, "-w", "-t", "60",
                   "-o", f"-p {self.port} -k {self.root} {options}", "start")
