@@ -139,9 +139,10 @@ class Worker:
                 active.ctx.lease_lost.set()
                 active.wake.set()
 
-    def _renewer(self) -> None:
+    def _renewer(self, done: threading.Event) -> None:
+        """Renews until the service is done, through the shutdown grace period."""
         interval = max(0.2, self.inbox.lease_ttl / 4)
-        while not self.stop.wait(interval):
+        while not done.wait(interval):
             self.renew_all()
 
     # --- the service ----------------------------------------------------------------
@@ -163,7 +164,9 @@ class Worker:
     def serve(self, url: str) -> None:
         """Run every slot until SIGTERM/SIGINT, then shut down gracefully."""
         Listener(url, [notify.WORK], self.waker.wake_one, self.stop).start()
-        threading.Thread(target=self._renewer, name="agent-inbox-renewer", daemon=True).start()
+        done = threading.Event()
+        threading.Thread(target=self._renewer, args=(done,), name="agent-inbox-renewer",
+                         daemon=True).start()
         slots = [threading.Thread(target=self._slot, args=(n,), name=f"slot-{n}", daemon=True)
                  for n in range(len(self.holders))]
         for thread in slots:
@@ -174,6 +177,7 @@ class Worker:
         deadline = time.monotonic() + self.grace
         for thread in slots:
             thread.join(max(0.0, deadline - time.monotonic()))
+        done.set()
         self.release_running()
 
     def release_running(self) -> None:

@@ -107,7 +107,8 @@ WITH clock AS (
 ), pick AS (
     SELECT l.user_id
       FROM events e JOIN leases l ON l.user_id = e.user_id, clock
-     WHERE e.status IN ('pending', 'running') AND e.available_at <= clock.now
+     WHERE e.status IN ('pending', 'running')
+       AND (e.attempts = 0 OR e.available_at <= clock.now)
        AND l.until < clock.now
      ORDER BY e.available_at, e.id
      LIMIT 1

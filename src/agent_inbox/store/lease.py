@@ -77,14 +77,25 @@ def renew(conn, user: str, holder: str, gen: int, ttl: int, now: int | None) -> 
     return row[0] if row else None
 
 
-# Expire the lease at once, keeping its generation: the next worker takes over
-# without waiting for the TTL, and the releasing holder's late finish is refused.
+# Abandon a run (shutdown): expire the lease at once, keeping its generation, and
+# make the run's events claimable now rather than after their retry backoff. The
+# next worker takes over without waiting for the TTL; the releasing holder's late
+# finish is refused. The attempt stays counted: the handler may have acted.
 RELEASE = f"""
-WITH clock AS (SELECT {NOW} AS now)
-UPDATE leases l SET until = clock.now - 1
-  FROM clock
- WHERE l.user_id = %(user)s AND l.holder = %(holder)s AND l.gen = %(gen)s AND l.until >= clock.now
-RETURNING l.gen
+WITH clock AS (
+    SELECT {NOW} AS now
+), released AS (
+    UPDATE leases l SET until = clock.now - 1
+      FROM clock
+     WHERE l.user_id = %(user)s AND l.holder = %(holder)s AND l.gen = %(gen)s
+       AND l.until >= clock.now
+ RETURNING l.gen
+), resumable AS (
+    UPDATE events e SET available_at = clock.now
+      FROM clock, released
+     WHERE e.user_id = %(user)s AND e.status = 'running' AND e.claim_gen = released.gen
+)
+SELECT gen FROM released
 """
 
 

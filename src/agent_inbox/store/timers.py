@@ -82,12 +82,15 @@ def fire_due(conn, now: int | None, limit: int) -> int:
 
 # Spans users (the scheduler's sleep): seconds until the next timer is due.
 NEXT_DUE = f"""
-SELECT greatest(0, min(due) - {NOW}) FROM timers WHERE NOT done
+SELECT greatest(0, next_due - {NOW})
+  FROM (SELECT min(due) AS next_due FROM timers WHERE NOT done) m
+ WHERE next_due IS NOT NULL
 """
 
 
 def seconds_to_next_due(conn, now: int | None) -> int | None:
-    return conn.execute(NEXT_DUE, {"now": now}).fetchone()[0]
+    row = conn.execute(NEXT_DUE, {"now": now}).fetchone()
+    return row[0] if row else None
 
 
 LIST = """

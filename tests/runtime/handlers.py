@@ -1,0 +1,54 @@
+"""Handlers the runtime tests name as module:function (child processes import them)."""
+
+import asyncio
+import os
+import signal
+
+from agent_inbox import ApprovalRequest, Message, Result, TimerRequest
+
+
+def echo(batch, ctx):
+    return Result(messages=[f"{ctx.user}:" + ",".join(e.source_id for e in batch)])
+
+
+def everything(batch, ctx):
+    return Result(messages=["plain", Message("now!", urgent=True)],
+                  timers=[TimerRequest("follow-up", 2_000_000, {"n": 1})],
+                  approvals=[ApprovalRequest("refund-1", 3600, "refund")])
+
+
+def explode(batch, ctx):
+    raise RuntimeError("tool failed")
+
+
+def wrong_type(batch, ctx):
+    return "done"
+
+
+async def async_echo(batch, ctx):
+    await asyncio.sleep(0)
+    return Result(messages=[f"async {len(batch)}"])
+
+
+def bad_result(batch, ctx):
+    return Result(messages=[""])
+
+
+def crash_process(batch, ctx):
+    """A poison event: kills whatever process runs it."""
+    if any(e.payload.get("poison") for e in batch):
+        os.kill(os.getpid(), signal.SIGKILL)
+    return Result(messages=["ok"])
+
+
+def pid_of_runner(batch, ctx):
+    return Result(messages=[str(os.getpid())])
+
+
+def hold_until_released(batch, ctx):
+    """Run until the file named in the payload exists, or the lease is lost."""
+    path = batch[0].payload["release_file"]
+    while not os.path.exists(path):
+        if ctx.lease_lost.wait(0.02):
+            return Result(messages=["after the lease was lost"])
+    return Result(messages=["released"])

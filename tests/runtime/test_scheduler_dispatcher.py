@@ -1,0 +1,51 @@
+"""The scheduler and dispatcher services' passes (`run_once`)."""
+
+from agent_inbox import Message, Result
+from agent_inbox.dispatcher import Dispatcher
+from agent_inbox.scheduler import Scheduler
+
+T = 1_000_000
+
+
+def test_a_scheduler_pass_fires_due_timers_and_says_when_the_next_is_due(inbox):
+    scheduler = Scheduler(inbox)
+    assert scheduler.run_once(now=T) is None                 # no timers at all
+    inbox.add_timer("a", "tick", T, {}, every=60)
+    inbox.add_timer("b", "later", T + 500, {})
+    assert scheduler.run_once(now=T) == 60                   # tick fired, next at T + 60
+    assert [e.source_id for e in inbox.events("a")] == [f"tick@{T}"]
+    assert scheduler.run_once(now=T + 70) == 50              # tick again; its next is T+120
+    scheduler.run_once(now=T + 500)
+    assert [e.source_id for e in inbox.events("b")] == [f"later@{T + 500}"]
+
+
+def queue(inbox, user, now, *messages):
+    inbox.ingest(user, "chat", f"{now}", {})
+    run = inbox.take_work(f"w-{user}", now=now)
+    assert inbox.finish_run(run, Result(messages=list(messages)), now=now)
+
+
+def test_a_dispatcher_pass_sends_each_due_user_once_with_a_batch_key(inbox):
+    sends = []
+    dispatcher = Dispatcher(inbox, lambda user, text, key: sends.append((user, text, key)))
+    queue(inbox, "a", T, "a1", "a2")
+    queue(inbox, "b", T, "b1")
+    dispatcher.run_once(now=T)
+    [a_ids, b_ids] = [[m.id for m in inbox.outbox(u)] for u in ("a", "b")]
+    assert sends == [("a", "a1\n\na2", f"a:{a_ids[0]}-{a_ids[-1]}"), ("b", "b1", f"b:{b_ids[0]}-{b_ids[0]}")]
+    dispatcher.run_once(now=T)
+    assert len(sends) == 2                                   # nothing held, nothing sent
+
+
+def test_an_urgent_message_goes_at_once_inside_the_gap(inbox):
+    sends = []
+    dispatcher = Dispatcher(inbox, lambda user, text, key: sends.append(text))
+    queue(inbox, "u", T, "first")
+    dispatcher.run_once(now=T)
+    queue(inbox, "u", T + 60, "routine")
+    dispatcher.run_once(now=T + 60)
+    assert sends == ["first"]                                # inside the gap: held
+    queue(inbox, "u", T + 120, Message("the server is down", urgent=True))
+    dispatcher.run_once(now=T + 120)
+    assert sends == ["first", "routine\n\nthe server is down"]
+    assert all(m.sent_at is not None for m in inbox.outbox("u"))

@@ -1,0 +1,165 @@
+"""The services as users run them: separate processes, real signals, a real
+PostgreSQL. Every wait is on database state (or a process exit), bounded."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import psycopg
+import pytest
+
+from agent_inbox import Inbox, migrate, pgserver
+
+H = "tests.runtime.handlers"
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def wait_until(query_result, description, timeout=20.0):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = query_result()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {description}")
+        time.sleep(0.05)
+
+
+def scalar(url, sql, *params):
+    with psycopg.connect(url, autocommit=True) as conn:
+        return conn.execute(sql, params).fetchone()[0]
+
+
+def read_until(process, text):
+    """Read the process's log lines until one contains `text` (or it exits)."""
+    for line in process.stdout:
+        if text in line:
+            return
+    raise AssertionError(f"the process exited without logging {text!r}")
+
+
+@pytest.fixture
+def spawn():
+    """Start `agent-inbox ...` processes; kill whatever is left at teardown."""
+    started = []
+
+    def start(*args):
+        process = subprocess.Popen([sys.executable, "-m", "agent_inbox.cli", *args], cwd=ROOT,
+                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        started.append(process)
+        return process
+
+    yield start
+    for process in started:
+        if process.poll() is None:
+            process.kill()
+        process.wait(timeout=10)
+        process.stdout.close()
+
+
+def worker_args(url, handler, *extra):
+    return ["worker", "--database-url", url, "--handler", f"{H}:{handler}", "--log-level", "info",
+            *extra]
+
+
+def test_services_refuse_a_schema_not_at_head(empty_database_url, spawn):
+    for args in (worker_args(empty_database_url, "echo"),
+                 ["scheduler", "--database-url", empty_database_url],
+                 ["dispatcher", "--database-url", empty_database_url, "--channel", f"{H}:echo"]):
+        process = spawn(*args)
+        assert process.wait(timeout=60) == 2
+        assert "run `agent-inbox migrate` first" in process.stdout.read()
+
+
+def test_a_notification_wakes_an_idle_worker_long_before_its_poll(database_url, inbox, spawn):
+    spawn(*worker_args(database_url, "echo", "--poll-interval", "600"))
+    wait_until(lambda: scalar(database_url, "SELECT count(*) FROM pg_stat_activity WHERE "
+                              "application_name = 'agent-inbox-listener' AND query LIKE 'LISTEN%%'"),
+               "the worker to listen")
+    inbox.ingest("u", "chat", "1", {})
+    wait_until(lambda: inbox.events("u", status="done"), "the event to be handled", timeout=30)
+
+
+def test_a_long_run_keeps_its_lease_by_renewal(database_url, inbox, spawn, tmp_path):
+    release = tmp_path / "release"
+    inbox.ingest("u", "chat", "1", {"release_file": str(release)})
+    spawn(*worker_args(database_url, "hold_until_released", "--lease-ttl", "2"))
+    wait_until(lambda: inbox.events("u", status="running"), "the run to start")
+    first = scalar(database_url, "SELECT until FROM leases WHERE user_id = 'u'")
+    wait_until(lambda: scalar(database_url, "SELECT until FROM leases WHERE user_id = 'u'") >= first + 3,
+               "the lease to be renewed past its first TTL")
+    release.touch()
+    wait_until(lambda: inbox.events("u", status="done"), "the run to finish")
+    assert [m.body for m in inbox.outbox("u")] == ["released"]
+    assert scalar(database_url, "SELECT gen FROM leases WHERE user_id = 'u'") == 1
+
+
+def test_a_run_that_loses_its_lease_commits_nothing(database_url, inbox, spawn, tmp_path):
+    inbox.ingest("u", "chat", "1", {"release_file": str(tmp_path / "never")})
+    worker = spawn(*worker_args(database_url, "hold_until_released", "--lease-ttl", "2"))
+    wait_until(lambda: inbox.events("u", status="running"), "the run to start")
+    with psycopg.connect(database_url, autocommit=True) as conn:  # another worker takes over
+        conn.execute("UPDATE leases SET holder = 'thief', gen = gen + 1, "
+                     "until = extract(epoch FROM now())::bigint + 600 WHERE user_id = 'u'")
+    worker.send_signal(signal.SIGTERM)
+    output, _ = worker.communicate(timeout=30)
+    assert "lease lost user=u" in output
+    assert inbox.outbox("u") == []
+    assert [(e.status, e.claim_gen) for e in inbox.events("u")] == [("running", 1)]
+
+
+def test_sigterm_after_the_grace_period_releases_the_lease_for_an_immediate_takeover(
+        database_url, inbox, spawn, tmp_path):
+    inbox.ingest("u", "chat", "1", {"release_file": str(tmp_path / "never")})
+    worker = spawn(*worker_args(database_url, "hold_until_released", "--grace", "1"))
+    wait_until(lambda: inbox.events("u", status="running"), "the run to start")
+    holder = scalar(database_url, "SELECT holder FROM leases WHERE user_id = 'u'")
+    worker.send_signal(signal.SIGTERM)
+    output, _ = worker.communicate(timeout=60)
+    assert worker.returncode == 0, output
+    assert "shutdown: lease released user=u" in output
+    run = inbox.take_work("next-worker")           # lease_ttl is 120: no wait for expiry
+    assert (run.user, run.gen, [e.attempts for e in run.events]) == ("u", 2, [2])
+    [event_id] = [e.id for e in run.events]
+    assert inbox.finish("u", holder, 1, [event_id]) is False   # the released lease fences
+
+
+def test_sigterm_lets_a_running_handler_finish_within_the_grace(database_url, inbox, spawn, tmp_path):
+    release = tmp_path / "release"
+    inbox.ingest("u", "chat", "1", {"release_file": str(release)})
+    worker = spawn(*worker_args(database_url, "hold_until_released", "--grace", "60"))
+    wait_until(lambda: inbox.events("u", status="running"), "the run to start")
+    worker.send_signal(signal.SIGTERM)
+    release.touch()
+    worker.communicate(timeout=60)
+    assert worker.returncode == 0
+    assert [e.status for e in inbox.events("u")] == ["done"]
+    assert [m.body for m in inbox.outbox("u")] == ["released"]
+
+
+def test_a_second_signal_exits_at_once(database_url, inbox, spawn, tmp_path):
+    inbox.ingest("u", "chat", "1", {"release_file": str(tmp_path / "never")})
+    worker = spawn(*worker_args(database_url, "hold_until_released", "--grace", "600"))
+    wait_until(lambda: inbox.events("u", status="running"), "the run to start")
+    worker.send_signal(signal.SIGTERM)
+    read_until(worker, "SIGTERM: stopping")
+    worker.send_signal(signal.SIGTERM)
+    assert worker.wait(timeout=30) == 128 + signal.SIGTERM
+
+
+def test_the_worker_rides_out_a_postgres_restart(spawn):
+    with pgserver.TemporaryCluster() as cluster:
+        url = pgserver.create_database(cluster.url)
+        migrate.upgrade(url)
+        spawn(*worker_args(url, "echo", "--poll-interval", "0.2"))
+        with Inbox.connect(url) as inbox:
+            inbox.ingest("u", "chat", "before", {})
+            wait_until(lambda: inbox.events("u", status="done"), "the first event")
+        cluster.restart()
+        with Inbox.connect(url) as inbox:
+            inbox.ingest("u", "chat", "after", {})
+            wait_until(lambda: len(inbox.events("u", status="done")) == 2,
+                       "the event ingested after the restart", timeout=60)
+            assert [m.body for m in inbox.outbox("u")] == ["u:before", "u:after"]

@@ -1,0 +1,132 @@
+"""One worker run, driven by `run_once`: what the handler returns is what commits,
+all in the fenced finish; failures come back after a backoff; retries run in a
+child process."""
+
+import os
+
+import pytest
+
+from agent_inbox.worker import Worker
+
+H = "tests.runtime.handlers"
+T = 1_000_000
+TTL = 120
+
+
+def worker(inbox, name, **options):
+    return Worker(inbox, f"{H}:{name}", **options)
+
+
+def test_a_run_commits_messages_timers_and_approvals_together(inbox):
+    inbox.ingest("u", "chat", "1", {})
+    counts = worker(inbox, "everything").run_once(now=T)
+    assert counts == {"runs": 1, "events": 1, "accepted": 1}
+    assert [(m.body, m.sent_at) for m in inbox.outbox("u")] == [("plain", None), ("now!", None)]
+    timers = {t.timer_id: t for t in inbox.timers("u")}
+    assert timers["follow-up"].due == 2_000_000
+    assert timers["expire:refund-1"].due == T + 3600
+    assert timers["expire:refund-1"].key == ("approval", "refund-1")
+    assert [e.status for e in inbox.events("u")] == ["done"]
+
+
+def test_the_lease_is_released_at_finish_and_still_fences(inbox):
+    inbox.ingest("u", "chat", "1", {})
+    w = worker(inbox, "echo")
+    w.run_once(now=T)
+    assert inbox.acquire("u", "someone-else", now=T) == 2   # free at once, not after the TTL
+    run_holder = w.holders[0]
+    assert inbox.finish("u", run_holder, 1, [], now=T) is False
+
+
+@pytest.mark.parametrize("name, error", [
+    ("explode", "RuntimeError: tool failed"),
+    ("wrong_type", "handler returned str, not agent_inbox.Result"),
+    ("bad_result", "invalid handler result"),
+])
+def test_a_failing_handler_puts_its_events_back_for_a_retry(inbox, name, error):
+    inbox.ingest("u", "chat", "1", {})
+    counts = worker(inbox, name).run_once(now=T)
+    assert counts["accepted"] == 1
+    [event] = inbox.events("u")
+    assert (event.status, event.attempts) == ("pending", 1)
+    assert error in event.error
+    assert inbox.outbox("u") == []
+
+
+def test_an_async_handler_runs(inbox):
+    inbox.ingest("u", "chat", "1", {})
+    worker(inbox, "async_echo").run_once(now=T)
+    assert [m.body for m in inbox.outbox("u")] == ["async 1"]
+
+
+def test_a_retry_waits_for_its_backoff_while_fresh_events_go_ahead(make_inbox):
+    inbox = make_inbox(retry_backoff=60, retry_backoff_cap=600)
+    inbox.ingest("u", "chat", "broken", {})
+    worker(inbox, "explode").run_once(now=T)           # attempt 1 fails
+    [failed] = inbox.events("u")
+    assert T + 30 <= failed.available_at <= T + 60      # 60 s, jittered into [30, 60]
+    inbox.ingest("u", "chat", "fresh", {})
+    echo = worker(inbox, "echo")
+    assert echo.run_once(now=T + 1)["events"] == 1      # only the fresh event
+    assert [m.body for m in inbox.outbox("u")] == ["u:fresh"]
+    assert echo.run_once(now=T + 2)["runs"] == 0        # the retry is still backing off
+    assert echo.run_once(now=failed.available_at)["events"] == 1
+    assert [e.source_id for e in inbox.events("u", status="done")] == ["broken", "fresh"]
+
+
+def test_backoff_doubles_per_attempt_up_to_the_cap(make_inbox):
+    inbox = make_inbox(retry_backoff=10, retry_backoff_cap=25, max_attempts=5)
+    inbox.ingest("u", "chat", "broken", {})
+    w = worker(inbox, "explode", isolate_retries=False)
+    now, delays = T, []
+    for _ in range(4):
+        assert w.run_once(now=now)["runs"] == 1
+        [event] = inbox.events("u")
+        delays.append(event.available_at - now)
+        now = event.available_at
+    # base 10, 20, then capped at 25; jitter scales each into [half, whole]
+    for delay, full in zip(delays, (10, 20, 25, 25)):
+        assert full // 2 <= delay <= full
+
+
+def test_a_retried_poison_event_crashes_only_a_child_process(inbox):
+    inbox.ingest("u", "chat", "poison", {"poison": True})
+    gen = inbox.acquire("u", "crashed-worker", now=T)
+    inbox.claim_batch("u", "crashed-worker", gen, now=T)   # attempt 1: its worker died
+    w = worker(inbox, "crash_process")
+    now = T + TTL + 1
+    for attempt in (2, 3):
+        counts = w.run_once(now=now)                       # this process survives
+        assert counts == {"runs": 1, "events": 1, "accepted": 1}
+        [event] = inbox.events("u")
+        assert (event.status, event.attempts) == ("pending", attempt)
+        assert "handler process died (exit code -9)" in event.error
+        now = event.available_at
+    w.run_once(now=now)
+    [event] = inbox.events("u")
+    assert (event.status, event.attempts, event.error) == ("dead", 3, "too many attempts")
+
+
+def test_first_attempts_run_in_the_worker_process_and_retries_in_a_child(inbox):
+    inbox.ingest("u", "chat", "fresh", {})
+    w = worker(inbox, "pid_of_runner")
+    w.run_once(now=T)
+    inbox.ingest("u", "chat", "retry", {})
+    gen = inbox.acquire("u", "crashed", now=T + 1)
+    inbox.claim_batch("u", "crashed", gen, now=T + 1)
+    w.run_once(now=T + 1 + TTL + 1)
+    first, retry = [m.body for m in inbox.outbox("u")]
+    assert first == str(os.getpid())
+    assert retry != str(os.getpid())
+
+
+def test_take_work_prefers_the_user_waiting_longest(inbox):
+    for user in ("late", "early", "middle"):
+        inbox.ingest(user, "chat", "1", {})
+    import psycopg
+    with psycopg.connect(inbox.pool.conninfo, autocommit=True) as conn:
+        conn.execute("UPDATE events SET available_at = CASE user_id WHEN 'early' THEN 10 "
+                     "WHEN 'middle' THEN 20 ELSE 30 END")
+    order = [inbox.take_work(f"w{n}", now=T).user for n in range(3)]
+    assert order == ["early", "middle", "late"]
+    assert inbox.take_work("w4", now=T) is None
