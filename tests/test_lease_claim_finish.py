@@ -149,3 +149,29 @@ def test_database_clock_is_used_when_now_is_omitted(inbox, database_url):
     assert db_now + TTL <= until <= db_now + TTL + 60
     # with the database clock, an explicit far-past `now` would be expired:
     assert inbox.claim_batch("u", "A", gen, now=until + 1) == []
+
+
+def test_ingest_many_reports_each_event_and_stores_each_key_once(inbox, monkeypatch):
+    from agent_inbox import inbox as inbox_module
+
+    monkeypatch.setattr(inbox_module, "INGEST_CHUNK", 2)  # keys repeat across statements too
+    assert inbox.ingest("u", "chat", "old", {}) is True
+    stored = inbox.ingest_many([
+        ("u", "chat", "a", {"n": 1}),
+        ("u", "chat", "old", {}),       # already stored
+        ("u", "chat", "a", {"n": 2}),   # repeated inside the batch
+        ("v", "chat", "a", {}),         # another user
+        ("u", "chat", "b", [1, 2]),
+    ])
+    assert stored == [True, False, False, True, True]
+    assert [(e.source_id, e.payload) for e in inbox.events("u")] == [
+        ("old", {}), ("a", {"n": 1}), ("b", [1, 2])]
+    assert inbox.ingest_many([]) == []
+
+
+def test_ingest_many_with_one_bad_event_stores_nothing(inbox):
+    from agent_inbox import InvalidInput
+
+    with pytest.raises(InvalidInput, match=r"events\[1\] source_id must not be empty"):
+        inbox.ingest_many([("u", "chat", "a", {}), ("u", "chat", "", {})])
+    assert inbox.events("u") == []

@@ -106,8 +106,9 @@ EVENTS_INSERTED_FUNCTION = """
 CREATE FUNCTION agent_inbox_events_inserted() RETURNS trigger LANGUAGE plpgsql AS $$
 BEGIN
     IF EXISTS (SELECT 1 FROM new_events) THEN
+        -- in user order: two transactions adding the same new users never deadlock
         INSERT INTO leases (user_id, holder, gen, until)
-        SELECT DISTINCT user_id, '', 0, -1 FROM new_events
+        SELECT DISTINCT user_id, '', 0, -1 FROM new_events ORDER BY user_id
         ON CONFLICT (user_id) DO NOTHING;
         PERFORM pg_notify('agent_inbox_work', '');
     END IF;

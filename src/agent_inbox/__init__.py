@@ -15,6 +15,7 @@ from agent_inbox.errors import (
     InvalidTimer,
     PayloadTooLarge,
     SchemaNotAtHead,
+    TransactionConflict,
 )
 from agent_inbox.handler import Context
 from agent_inbox.inbox import Inbox, Run
@@ -24,6 +25,6 @@ from agent_inbox.result import ApprovalRequest, Message, Result, TimerRequest
 __all__ = [
     "AgentInboxError", "ApprovalRequest", "Context", "DatabaseUnavailable", "Event", "Inbox",
     "InvalidAnswer", "InvalidInput", "InvalidPayload", "InvalidTime", "InvalidTimer", "Lease",
-    "Message", "OutboxMessage", "PayloadTooLarge", "Result", "Run", "SchemaNotAtHead", "Timer",
+    "Message", "OutboxMessage", "PayloadTooLarge", "Result", "Run", "SchemaNotAtHead", "Timer", "TransactionConflict",
     "TimerRequest",
 ]

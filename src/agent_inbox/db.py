@@ -6,12 +6,17 @@ transaction that commits when the block ends and rolls back if it raises.
 """
 
 import contextlib
-from collections.abc import Iterator
+import random
+import time
+from collections.abc import Callable, Iterator
+from typing import TypeVar
 
 import psycopg
 from psycopg_pool import ConnectionPool, PoolTimeout
 
 from agent_inbox import errors
+
+T = TypeVar("T")
 
 
 def open_pool(url: str, *, size: int, name: str = "agent-inbox", timeout: float = 30.0) -> ConnectionPool:
@@ -35,11 +40,30 @@ def open_pool(url: str, *, size: int, name: str = "agent-inbox", timeout: float 
 
 @contextlib.contextmanager
 def translated() -> Iterator[None]:
-    """Turn lost connections and pool exhaustion into DatabaseUnavailable."""
+    """Turn lost connections and pool exhaustion into DatabaseUnavailable, and
+    deadlocks into TransactionConflict."""
     try:
         yield
+    except psycopg.errors.TransactionRollback as exc:
+        raise errors.TransactionConflict(str(exc).strip()) from exc
     except (psycopg.OperationalError, PoolTimeout) as exc:
         raise errors.DatabaseUnavailable(str(exc).strip() or type(exc).__name__) from exc
+
+
+def in_transaction(pool: ConnectionPool, work: Callable[[psycopg.Connection], T], *,
+                   attempts: int = 5) -> T:
+    """Run `work(conn)` in one transaction, again from the start if PostgreSQL
+    broke a deadlock by rolling it back (for statements whose lock order follows
+    their input, such as a batch insert that must keep its arrival order)."""
+    for attempt in range(1, attempts + 1):
+        try:
+            with transaction(pool) as conn:
+                return work(conn)
+        except errors.TransactionConflict:
+            if attempt == attempts:
+                raise
+            time.sleep(random.uniform(0, 0.01 * attempt))
+    raise AssertionError("unreachable")
 
 
 @contextlib.contextmanager

@@ -54,3 +54,8 @@ class SchemaNotAtHead(AgentInboxError):
 
 class DatabaseUnavailable(AgentInboxError):
     """The database could not be reached or stopped answering."""
+
+
+class TransactionConflict(AgentInboxError):
+    """Concurrent transactions kept deadlocking on the same rows; the work was
+    rolled back whole and may be retried."""

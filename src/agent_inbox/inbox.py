@@ -22,6 +22,8 @@ from agent_inbox.store import approvals, inbox, lease, outbox, timers
 DEFAULT_MAX_PAYLOAD_BYTES = 1 << 20
 # Timers fired per scheduler transaction; a pass loops until none are due.
 SCHEDULER_BATCH = 500
+# Events per statement in ingest_many.
+INGEST_CHUNK = 1000
 
 
 @dataclass(frozen=True)
@@ -95,6 +97,32 @@ class Inbox:
         encoded = validate.payload("payload", payload, self.max_payload_bytes)
         with db.connection(self._pool) as conn:
             return inbox.insert(conn, user, source, source_id, encoded)
+
+    def ingest_many(self, events: Iterable[tuple[str, str, str, Any]]) -> list[bool]:
+        """Store many events (user, source, source_id, payload) in one transaction;
+        for each, True if stored, False for a duplicate (of a stored event or of an
+        earlier one in the batch). Every event is checked first: one bad event
+        raises and nothing is stored."""
+        if isinstance(events, (str, bytes)) or not isinstance(events, Iterable):
+            raise errors.InvalidInput("events", events, "must be an iterable of 4-tuples")
+        rows = []
+        for n, item in enumerate(events):
+            if not isinstance(item, (tuple, list)) or len(item) != 4:
+                raise errors.InvalidInput(f"events[{n}]", item,
+                                          "must be (user, source, source_id, payload)")
+            user, source, source_id, payload = item
+            rows.append((validate.text(f"events[{n}] user", user),
+                         validate.text(f"events[{n}] source", source),
+                         validate.text(f"events[{n}] source_id", source_id),
+                         validate.payload(f"events[{n}] payload", payload, self.max_payload_bytes)))
+
+        def insert_all(conn) -> list[bool]:
+            stored: list[bool] = []
+            for start in range(0, len(rows), INGEST_CHUNK):
+                stored += inbox.insert_many(conn, rows[start:start + INGEST_CHUNK])
+            return stored
+
+        return db.in_transaction(self._pool, insert_all)
 
     def events(self, user: str, *, status: str | None = None) -> list[Event]:
         """A user's events, ordered by id; for operators and tests."""

@@ -32,6 +32,32 @@ def insert(conn, user: str, source: str, source_id: str, payload_json: str) -> b
     return conn.execute(INSERT, params).fetchone() is not None
 
 
+# Invariant 1 for a batch: one statement for many events; a key repeated inside
+# the batch is stored once (its first occurrence), like any redelivery.
+INSERT_MANY = """
+INSERT INTO events (user_id, source, source_id, payload)
+SELECT b.user_id, b.source, b.source_id, b.payload::jsonb
+  FROM unnest(%(users)s::text[], %(sources)s::text[], %(source_ids)s::text[], %(payloads)s::text[])
+       WITH ORDINALITY AS b(user_id, source, source_id, payload, n)
+ ORDER BY b.n
+    ON CONFLICT (user_id, source, source_id) DO NOTHING
+RETURNING user_id, source, source_id
+"""
+
+
+def insert_many(conn, rows: list[tuple[str, str, str, str]]) -> list[bool]:
+    """rows are (user, source, source_id, payload_json); True where stored."""
+    columns = list(zip(*rows)) if rows else [(), (), (), ()]
+    params = dict(zip(("users", "sources", "source_ids", "payloads"), map(list, columns)))
+    stored = {tuple(r) for r in conn.execute(INSERT_MANY, params).fetchall()}
+    result = []
+    for user, source, source_id, _ in rows:
+        key = (user, source, source_id)
+        result.append(key in stored)
+        stored.discard(key)  # a repeat inside the batch is a duplicate
+    return result
+
+
 # Invariant 4, as CTEs that follow a CTE `run(user_id, gen, now)` naming the
 # user whose lease the caller holds (locked) and the generation claiming:
 #   rows left running by an older generation count as pending again;
