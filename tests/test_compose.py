@@ -24,7 +24,8 @@ COMPOSE = ROOT / "docker-compose.yml"
 DOCKERFILE = ROOT / "Dockerfile"
 DOCKERIGNORE = ROOT / ".dockerignore"
 
-APP_SERVICES = ("migrate", "demo")
+APP_SERVICES = ("migrate", "demo", "worker", "scheduler", "dispatcher")
+RUNTIME_SERVICES = ("worker", "scheduler", "dispatcher")
 URL_VAR = "AGENT_INBOX_DATABASE_URL"
 
 
@@ -261,7 +262,8 @@ def test_app_services_share_one_definition(compose, services):
     assert isinstance(shared, dict), "the shared build + environment live in x-agent-inbox"
     for name in APP_SERVICES:
         assert services[name]["build"] == shared["build"]
-        assert environment(services[name]) == environment(shared)
+        own = environment(services[name])
+        assert own.items() >= environment(shared).items()  # services only add settings
 
 
 def test_dependencies_name_real_services(services):
@@ -366,3 +368,17 @@ def test_dockerignore_keeps_local_state_out():
     for path in (".git/HEAD", ".venv/bin/python", "tests/conftest.py",
                  "src/agent_inbox/__pycache__/cli.cpython-311.pyc"):
         assert dockerignored(path), f"{path} should not be sent to the build"
+
+
+@pytest.mark.parametrize("name", RUNTIME_SERVICES)
+def test_runtime_services_wait_for_the_migration_and_restart(services, name):
+    svc = services[name]
+    assert depends_on(svc)["migrate"]["condition"] == "service_completed_successfully"
+    assert depends_on(svc)["postgres"]["condition"] == "service_healthy"
+    assert svc["restart"] == "unless-stopped"
+
+
+def test_workers_run_several_replicas_and_outlast_their_grace(services):
+    worker = services["worker"]
+    assert worker["deploy"]["replicas"] >= 2
+    assert worker["stop_grace_period"] == "40s"
