@@ -78,3 +78,21 @@ def transaction(pool: ConnectionPool) -> Iterator[psycopg.Connection]:
     """One connection inside one transaction."""
     with translated(), pool.connection() as conn, conn.transaction():
         yield conn
+
+
+@contextlib.contextmanager
+def pipelined_transaction(conn: psycopg.Connection) -> Iterator[None]:
+    """BEGIN, the block's statements and COMMIT sent as one pipeline: one round
+    trip. Read no result inside the block (that would wait for the server); read
+    the cursors after it. On any error the transaction is rolled back whole."""
+    try:
+        with translated():
+            with conn.pipeline():
+                conn.execute("BEGIN")
+                yield
+                conn.execute("COMMIT")
+    except BaseException:
+        if not conn.closed:
+            with contextlib.suppress(psycopg.Error):
+                conn.rollback()
+        raise

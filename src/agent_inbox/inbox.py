@@ -150,9 +150,11 @@ class Inbox:
         user, holder = validate.text("user", user), validate.text("holder", holder)
         gen = validate.positive_int("gen", gen)
         now = validate.optional_epoch("now", now)
-        with db.transaction(self._pool) as conn:
-            lease.lock(conn, user)
-            return inbox.claim(conn, user, holder, gen, self.policy, now)
+        with db.connection(self._pool) as conn:
+            with db.pipelined_transaction(conn):
+                conn.execute(lease.LOCK, {"user": user})
+                claimed = inbox.send_claim(conn, user, holder, gen, self.policy, now)
+            return claimed.fetchall()
 
     def finish(self, user: str, holder: str, gen: int, ids: Iterable[int], *,
                messages: Iterable[str] = (), error: str | None = None,
@@ -170,9 +172,11 @@ class Inbox:
         if error is not None:
             error = validate.text("error", error)
         now = validate.optional_epoch("now", now)
-        with db.transaction(self._pool) as conn:
-            lease.lock(conn, user)
-            return inbox.finish(conn, user, holder, gen, ids, messages, error, now)
+        with db.connection(self._pool) as conn:
+            with db.pipelined_transaction(conn):
+                conn.execute(lease.LOCK, {"user": user})
+                verdict = inbox.send_finish(conn, user, holder, gen, ids, messages, error, now)
+            return verdict.fetchone()[0]
 
     # --- runs, for the worker runtime ---------------------------------------------
 
@@ -184,11 +188,7 @@ class Inbox:
         holder = validate.text("holder", holder)
         now = validate.optional_epoch("now", now)
         with db.connection(self._pool) as conn:
-            taken = inbox.take_work(conn, holder, self.lease_ttl, self.policy, now)
-        if taken is None:
-            return None
-        user, gen, claimed_at, events = taken
-        return Run(user, holder, gen, claimed_at, events)
+            return self._as_run(holder, inbox.take_work(conn, holder, self.lease_ttl, self.policy, now))
 
     def renew(self, user: str, holder: str, gen: int, *, now: int | None = None) -> int | None:
         """Extend a held lease by lease_ttl; its new expiry, or None if it was lost."""
@@ -213,6 +213,18 @@ class Inbox:
         """Commit everything a run produced (its events' outcome, messages, timers,
         approval requests) in one fenced transaction, and by default release the
         lease in the same commit. False, with nothing written, if the fence refuses."""
+        accepted, _ = self._finish_run(run, result, release=release, now=now, next_holder=None)
+        return accepted
+
+    def finish_and_take(self, run: Run, result: Result, *,
+                        now: int | None = None) -> tuple[bool, Run | None]:
+        """`finish_run` (releasing the lease) and then `take_work` for the same
+        holder, in one transaction and, when the result has no timers or
+        approvals, one round trip: a worker pays one commit per run."""
+        return self._finish_run(run, result, release=True, now=now, next_holder=run.holder)
+
+    def _finish_run(self, run: Run, result: Result, *, release: bool, now: int | None,
+                    next_holder: str | None) -> tuple[bool, Run | None]:
         if not isinstance(result, Result):
             raise errors.InvalidInput("result", result, "must be an agent_inbox.Result")
         now = validate.optional_epoch("now", now)
@@ -220,19 +232,39 @@ class Inbox:
         messages = [self._message(m) for m in result.messages]
         timer_rows = [self._timer_row(t) for t in result.timers]
         approval_rows = [self._approval_row(a) for a in result.approvals]
-        ids = [e.id for e in run.events]
-        with db.transaction(self._pool) as conn:
-            lease.lock(conn, run.user)
-            if not inbox.finish(conn, run.user, run.holder, run.gen, ids, messages, error, now,
-                                release=release):
-                return False
-            if error is None:
-                for row in timer_rows:
-                    timers.upsert(conn, run.user, **row)
-                for request_id, row in approval_rows:
-                    timers.upsert(conn, run.user, approvals.expiry_timer_id(request_id),
-                                  base=now, **row)
-            return True
+        finish = (run.user, run.holder, run.gen, [e.id for e in run.events], messages, error, now)
+        taken = None
+        with db.connection(self._pool) as conn:
+            if error is None and (timer_rows or approval_rows):
+                # Timers and approvals are written only once the fence has said yes.
+                with conn.transaction():
+                    lease.lock(conn, run.user)
+                    accepted = inbox.finish(conn, *finish, release=release)
+                    if accepted:
+                        for row in timer_rows:
+                            timers.upsert(conn, run.user, **row)
+                        for request_id, row in approval_rows:
+                            timers.upsert(conn, run.user, approvals.expiry_timer_id(request_id),
+                                          base=now, **row)
+                    if next_holder:
+                        taken = inbox.take_work(conn, next_holder, self.lease_ttl, self.policy, now)
+            else:
+                # Lock, fenced finish, next claim and commit, sent as one pipeline.
+                with db.pipelined_transaction(conn):
+                    conn.execute(lease.LOCK, {"user": run.user})
+                    verdict = inbox.send_finish(conn, *finish, release=release)
+                    pending = (inbox.send_take_work(conn, next_holder, self.lease_ttl, self.policy,
+                                                    now) if next_holder else None)
+                accepted = verdict.fetchone()[0]
+                taken = inbox.read_taken(pending) if pending else None
+        return accepted, self._as_run(next_holder, taken)
+
+    @staticmethod
+    def _as_run(holder: str | None, taken) -> Run | None:
+        if taken is None:
+            return None
+        user, gen, claimed_at, events = taken
+        return Run(user, holder, gen, claimed_at, events)
 
     def _message(self, message) -> tuple[str, bool]:
         if isinstance(message, Message):

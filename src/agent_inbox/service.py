@@ -46,10 +46,10 @@ class Stop:
 
     def _on_signal(self, signum, frame) -> None:
         if self.event.is_set():
-            log.warning("second %s: exiting at once", signal.Signals(signum).name)
+            os.write(2, f"second {signal.Signals(signum).name}: exiting at once\n".encode())
             os._exit(128 + signum)
+        self.event.set()  # before logging: a second signal may interrupt the log call
         log.info("%s: stopping", signal.Signals(signum).name)
-        self.event.set()
 
     def is_set(self) -> bool:
         return self.event.is_set()

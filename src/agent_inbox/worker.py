@@ -58,15 +58,21 @@ class Worker:
         self.stop = stop or Stop()
         self.waker = Waker(concurrency)
         self._active: dict[str, ActiveRun] = {}
+        self._carried: dict[int, tuple[Run, float]] = {}  # slot -> (next run, lease start)
         self._lock = threading.Lock()
 
     # --- one run ----------------------------------------------------------------
 
     def run_once(self, slot: int = 0, *, now: int | None = None) -> dict[str, int]:
-        """Take one user's work with this slot's holder, run it and finish it.
-        Counts: runs (0 or 1), events, accepted (finishes the fence accepted)."""
-        started = time.monotonic()
-        run = self.inbox.take_work(self.holders[slot], now=now)
+        """Run one user's work with this slot's holder and finish it. The work is
+        the run taken by the slot's previous finish (one commit per run), else a
+        fresh take. Counts: runs (0 or 1), events, accepted (finishes accepted)."""
+        carried = self._carried.pop(slot, None)
+        if carried is None:
+            started = time.monotonic()
+            run = self.inbox.take_work(self.holders[slot], now=now)
+        else:
+            run, started = carried
         if run is None:
             return {"runs": 0, "events": 0, "accepted": 0}
         active = ActiveRun(run, Context(run.user, run.holder, run.gen), threading.Event(), started)
@@ -76,7 +82,7 @@ class Worker:
             self._active[run.holder] = active
         try:
             result = self._execute(active)
-            accepted = result is not None and self._finish(active, result, now)
+            accepted = result is not None and self._finish(active, result, slot, now)
         finally:
             with self._lock:
                 self._active.pop(run.holder, None)
@@ -90,12 +96,20 @@ class Worker:
             return handler.run_in_child(self.reference, run.events, active.ctx)
         return handler.run_in_thread(self.handler, run.events, active.ctx, active.wake)
 
-    def _finish(self, active: ActiveRun, result: Result, now: int | None) -> bool:
+    def _finish(self, active: ActiveRun, result: Result, slot: int, now: int | None) -> bool:
+        """The fenced finish, retried through database faults while the lease may
+        still be valid. Unless stopping, it also takes the slot's next run."""
         run = active.run
         delays = backoff_delays(cap=5.0)
         while not active.ctx.lease_lost.is_set():
+            started = time.monotonic()
             try:
-                accepted = self.inbox.finish_run(run, result, now=now)
+                if self.stop.is_set():
+                    accepted = self.inbox.finish_run(run, result, now=now)
+                else:
+                    accepted, following = self.inbox.finish_and_take(run, result, now=now)
+                    if following is not None:
+                        self._carried[slot] = (following, started)
             except errors.DatabaseUnavailable as exc:
                 if time.monotonic() - active.lease_started > self.inbox.lease_ttl:
                     break
@@ -149,7 +163,7 @@ class Worker:
 
     def _slot(self, slot: int) -> None:
         delays = backoff_delays()
-        while not self.stop.is_set():
+        while not self.stop.is_set() or slot in self._carried:  # a taken run is run
             try:
                 counts = self.run_once(slot)
                 delays = backoff_delays()
@@ -184,6 +198,8 @@ class Worker:
         """Release the leases of runs still going: another worker takes over now."""
         with self._lock:
             running = list(self._active.values())
+        running += [ActiveRun(run, Context(run.user, run.holder, run.gen), threading.Event(), started)
+                    for run, started in self._carried.values()]  # taken, not yet started
         for active in running:
             run = active.run
             active.ctx.lease_lost.set()

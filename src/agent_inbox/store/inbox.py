@@ -115,10 +115,10 @@ SELECT * FROM claimed ORDER BY id
 """
 
 
-def claim(conn, user: str, holder: str, gen: int, policy: ClaimPolicy, now: int | None) -> list[Event]:
+def send_claim(conn, user: str, holder: str, gen: int, policy: ClaimPolicy, now: int | None):
+    """Send CLAIM without reading the events (pipeline mode): `.fetchall()`."""
     params = {"user": user, "holder": holder, "gen": gen, "now": now, **policy.params()}
-    with conn.cursor(row_factory=class_row(Event)) as cur:
-        return cur.execute(CLAIM, params).fetchall()
+    return conn.cursor(row_factory=class_row(Event)).execute(CLAIM, params)
 
 
 # Spans users (finding work), then one user's claim, in one statement and one
@@ -154,11 +154,19 @@ SELECT run.user_id, run.gen, run.now, claimed.*
 """
 
 
+def send_take_work(conn, holder: str, ttl: int, policy: ClaimPolicy, now: int | None):
+    """Send TAKE_WORK without reading the answer (pipeline mode); read_taken reads it."""
+    return conn.execute(TAKE_WORK, {"holder": holder, "ttl": ttl, "now": now, **policy.params()})
+
+
 def take_work(conn, holder: str, ttl: int, policy: ClaimPolicy, now: int | None):
+    return read_taken(send_take_work(conn, holder, ttl, policy, now))
+
+
+def read_taken(cursor):
     """(user, gen, claimed_at, events) for the user taken, or None if no user
     has claimable work whose lease is free."""
-    params = {"holder": holder, "ttl": ttl, "now": now, **policy.params()}
-    rows = conn.execute(TAKE_WORK, params).fetchall()
+    rows = cursor.fetchall()
     if not rows:
         return None
     user, gen, claimed_at = rows[0][:3]
@@ -208,6 +216,14 @@ SELECT ok, CASE WHEN ok AND cardinality(%(messages)s::text[]) > 0
 def finish(conn, user: str, holder: str, gen: int, ids: list[int], messages: list[tuple[str, bool]],
            error: str | None, now: int | None, *, release: bool = False) -> bool:
     """`messages` are (body, urgent) pairs, queued only when error is None."""
+    return send_finish(conn, user, holder, gen, ids, messages, error, now,
+                       release=release).fetchone()[0]
+
+
+def send_finish(conn, user: str, holder: str, gen: int, ids: list[int],
+                messages: list[tuple[str, bool]], error: str | None, now: int | None, *,
+                release: bool = False):
+    """Send FINISH without reading the verdict (pipeline mode): `.fetchone()[0]`."""
     queued = [] if error is not None else messages
     params = {
         "user": user, "holder": holder, "gen": gen, "ids": ids, "now": now,
@@ -215,7 +231,7 @@ def finish(conn, user: str, holder: str, gen: int, ids: list[int], messages: lis
         "messages": [body for body, _ in queued], "urgent": [urgent for _, urgent in queued],
         "release": release,
     }
-    return conn.execute(FINISH, params).fetchone()[0]
+    return conn.execute(FINISH, params)
 
 
 # Operator view of one user's events.
