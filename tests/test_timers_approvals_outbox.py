@@ -125,3 +125,68 @@ def test_a_failed_send_marks_nothing(inbox):
     sent = []
     assert inbox.dispatch("u", sent.append, now=T) == 1
     assert sent == ["a"]
+
+
+def test_catch_up_emits_one_event_per_missed_occurrence_each_under_its_own_key(inbox):
+    inbox.add_timer("u", "billing", T, {"job": "reconcile"}, every=DAY, missed="catch_up")
+    assert inbox.run_scheduler(now=T + 3 * DAY + 60) == 1
+    events = timer_events(inbox, "u", "billing@")
+    assert [e.source_id for e in events] == [f"billing@{T + n * DAY}" for n in range(4)]
+    assert [e.payload["late_by"] for e in events] == [3 * DAY + 60, 2 * DAY + 60, DAY + 60, 60]
+    assert {e.payload["overflow"] for e in events} == {0}
+    assert inbox.timers("u")[0].due == T + 4 * DAY
+    assert inbox.run_scheduler(now=T + 3 * DAY + 60) == 0
+
+
+def test_catch_up_keeps_the_latest_occurrences_up_to_its_limit_and_reports_the_overflow(inbox):
+    inbox.add_timer("u", "billing", T, {}, every=DAY, missed="catch_up", catch_up_limit=2)
+    inbox.run_scheduler(now=T + 4 * DAY)
+    events = timer_events(inbox, "u", "billing@")
+    assert [e.source_id for e in events] == [f"billing@{T + 3 * DAY}", f"billing@{T + 4 * DAY}"]
+    assert {e.payload["overflow"] for e in events} == {3}
+
+
+def test_a_cron_timer_fires_on_its_schedule_in_its_time_zone(inbox):
+    from datetime import datetime
+    from zoneinfo import ZoneInfo
+
+    berlin = ZoneInfo("Europe/Berlin")
+    start = int(datetime(2026, 12, 1, 12, 0, tzinfo=berlin).timestamp())
+    inbox.add_timer("u", "standup", start, {}, cron="30 9 * * 1-5", timezone="Europe/Berlin")
+    [timer] = inbox.timers("u")
+    assert datetime.fromtimestamp(timer.due, berlin) == datetime(2026, 12, 2, 9, 30, tzinfo=berlin)
+    # Friday 9:30 to the next Wednesday 9:00: Friday, Monday and Tuesday were due
+    friday = int(datetime(2026, 12, 4, 9, 30, tzinfo=berlin).timestamp())
+    wednesday = int(datetime(2026, 12, 9, 9, 0, tzinfo=berlin).timestamp())
+    assert inbox.run_scheduler(now=timer.due) == 1
+    inbox.add_timer("u", "standup", friday, {}, cron="30 9 * * 1-5", timezone="Europe/Berlin")
+    assert inbox.run_scheduler(now=wednesday) == 1
+    latest = timer_events(inbox, "u", "standup@")[-1]
+    tuesday = int(datetime(2026, 12, 8, 9, 30, tzinfo=berlin).timestamp())
+    assert latest.payload == {"scheduled_for": tuesday, "late_by": wednesday - tuesday, "skipped": 2}
+    assert inbox.timers("u")[0].due == int(datetime(2026, 12, 9, 9, 30, tzinfo=berlin).timestamp())
+    assert inbox.run_scheduler(now=wednesday) == 0
+
+
+def test_a_cron_timer_can_catch_up(inbox):
+    inbox.add_timer("u", "hourly", 3600, {}, cron="0 * * * *", missed="catch_up")
+    assert inbox.run_scheduler(now=4 * 3600 + 5) == 1
+    assert [e.payload["scheduled_for"] for e in timer_events(inbox, "u", "hourly@")] == [
+        3600, 7200, 10800, 14400]
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"cron": "61 * * * *"}, "minute field '61' is outside 0-59"),
+    ({"cron": "* * *"}, "must have 5 fields"),
+    ({"cron": "* * * * *", "timezone": "Mars/Olympus"}, "is not a known time zone"),
+    ({"cron": "* * * * *", "every": 60}, "cannot be combined with every"),
+    ({"cron": "* * * * *", "key": ("a", "b")}, "cannot be fixed on a recurring timer"),
+    ({"every": 60, "missed": "skip"}, "must be 'coalesce' or 'catch_up'"),
+    ({"every": 60, "missed": "catch_up", "catch_up_limit": 0}, "must be a positive integer"),
+])
+def test_bad_timer_policies_are_refused(inbox, options, message):
+    from agent_inbox import InvalidInput
+
+    with pytest.raises(InvalidInput, match=message.replace("(", r"\(").replace(")", r"\)")):
+        inbox.add_timer("u", "t", T, {}, **options)
+    assert inbox.timers("u") == []

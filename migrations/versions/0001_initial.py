@@ -66,14 +66,23 @@ def upgrade() -> None:
         sa.Column("timer_id", sa.Text, nullable=False),
         sa.Column("due", sa.BigInteger, nullable=False),
         sa.Column("every", sa.BigInteger),
+        sa.Column("cron", sa.Text),
+        sa.Column("timezone", sa.Text),
+        sa.Column("missed", sa.Text, nullable=False, server_default="coalesce"),
+        sa.Column("catch_up_limit", sa.Integer, nullable=False, server_default="100"),
         sa.Column("payload", JSONB, nullable=False),
         sa.Column("event_source", sa.Text),
         sa.Column("event_source_id", sa.Text),
         sa.Column("done", sa.Boolean, nullable=False, server_default=sa.false()),
         sa.PrimaryKeyConstraint("user_id", "timer_id", name="pk_timers"),
         sa.CheckConstraint("every IS NULL OR every > 0", name="ck_timers_every"),
+        sa.CheckConstraint("every IS NULL OR cron IS NULL", name="ck_timers_every_or_cron"),
+        sa.CheckConstraint("(cron IS NULL) = (timezone IS NULL)", name="ck_timers_cron_has_timezone"),
+        sa.CheckConstraint("missed IN ('coalesce', 'catch_up')", name="ck_timers_missed"),
+        sa.CheckConstraint("catch_up_limit > 0", name="ck_timers_catch_up_limit"),
         sa.CheckConstraint(
-            "every IS NULL OR event_source IS NULL", name="ck_timers_recurring_has_no_fixed_key"
+            "(every IS NULL AND cron IS NULL) OR event_source IS NULL",
+            name="ck_timers_recurring_has_no_fixed_key",
         ),
         sa.CheckConstraint(
             "(event_source IS NULL) = (event_source_id IS NULL)", name="ck_timers_key_is_pair"
@@ -89,6 +98,7 @@ def upgrade() -> None:
         sa.Column("created", sa.BigInteger, nullable=False),
         sa.Column("sent_at", sa.BigInteger),
         sa.Column("urgent", sa.Boolean, nullable=False, server_default=sa.false()),
+        sa.Column("batch", sa.BigInteger),
         sa.PrimaryKeyConstraint("user_id", "id", name="pk_outbox"),
     )
     op.create_index("ix_outbox_sent", "outbox", ["user_id", "sent_at"])

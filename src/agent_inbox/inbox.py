@@ -13,6 +13,7 @@ from typing import Any
 
 from dataclasses import dataclass
 
+from agent_inbox import cron as cron_schedule
 from agent_inbox import db, errors, validate
 from agent_inbox.records import ClaimPolicy, Event, OutboxMessage, Timer
 from agent_inbox.result import ApprovalRequest, Message, Result, TimerRequest
@@ -274,7 +275,9 @@ class Inbox:
     def _timer_row(self, timer) -> dict:
         if not isinstance(timer, TimerRequest):
             raise errors.InvalidInput("timers item", timer, "must be an agent_inbox.TimerRequest")
-        return self._checked_timer(timer.timer_id, timer.due, timer.payload, timer.every, timer.key)
+        return self._checked_timer(timer.timer_id, timer.due, timer.payload, timer.every, timer.key,
+                                   cron=timer.cron, timezone=timer.timezone, missed=timer.missed,
+                                   catch_up_limit=timer.catch_up_limit)
 
     def _approval_row(self, approval) -> tuple[str, dict]:
         if not isinstance(approval, ApprovalRequest):
@@ -285,29 +288,46 @@ class Inbox:
     # --- timers and approvals --------------------------------------------------
 
     def add_timer(self, user: str, timer_id: str, due: int, payload: Mapping[str, Any], *,
-                  every: int | None = None, key: tuple[str, str] | None = None) -> None:
-        """Create or replace a timer. Recurring with `every` seconds, else one-off;
-        a one-off may fix its event key (source, source_id), a recurring one may
-        not (each occurrence needs its own key)."""
+                  every: int | None = None, key: tuple[str, str] | None = None,
+                  cron: str | None = None, timezone: str = "UTC", missed: str = "coalesce",
+                  catch_up_limit: int = 100) -> None:
+        """Create or replace a timer. Recurring with `every` seconds or a `cron`
+        expression (evaluated in `timezone`; the first occurrence is the first at
+        or after `due`), else one-off; a one-off may fix its event key (source,
+        source_id), a recurring one may not (each occurrence needs its own key).
+        Missed occurrences of a recurring timer: missed="coalesce" (one event for
+        the latest, with `skipped`) or "catch_up" (one event each, at most
+        catch_up_limit per firing, `overflow` counting the ones left out)."""
         user = validate.text("user", user)
-        row = self._checked_timer(timer_id, due, payload, every, key)
+        row = self._checked_timer(timer_id, due, payload, every, key, cron=cron,
+                                  timezone=timezone, missed=missed, catch_up_limit=catch_up_limit)
         with db.connection(self._pool) as conn:
             timers.upsert(conn, user, **row)
 
-    def _checked_timer(self, timer_id, due, payload, every, key) -> dict:
+    def _checked_timer(self, timer_id, due, payload, every, key, *, cron=None, timezone="UTC",
+                       missed="coalesce", catch_up_limit=100) -> dict:
         """add_timer's arguments, checked, as timers.upsert's keyword arguments."""
         timer_id = validate.text("timer_id", timer_id)
         due = validate.epoch("due", due)
         if every is not None:
             every = validate.positive_int("every", every)
-            if key is not None:
-                raise errors.InvalidTimer(
-                    "key", key, "cannot be fixed on a recurring timer (every is set)")
+        if every is not None and cron is not None:
+            raise errors.InvalidTimer("cron", cron, "cannot be combined with every")
+        if (every is not None or cron is not None) and key is not None:
+            raise errors.InvalidTimer(
+                "key", key, "cannot be fixed on a recurring timer (every or cron is set)")
         if key is not None:
             key = validate.event_key("key", key)
+        if missed not in ("coalesce", "catch_up"):
+            raise errors.InvalidTimer("missed", missed, "must be 'coalesce' or 'catch_up'")
+        catch_up_limit = validate.positive_int("catch_up_limit", catch_up_limit)
+        if cron is not None:
+            due = cron_schedule.parse(cron, timezone).next_after(due - 1)
         encoded = validate.mapping_payload("payload", payload, self.max_payload_bytes)
         return {"timer_id": timer_id, "base": due, "delay": 0, "every": every,
-                "payload_json": encoded, "key": key}
+                "payload_json": encoded, "key": key, "cron": cron,
+                "timezone": timezone if cron is not None else None, "missed": missed,
+                "catch_up_limit": catch_up_limit}
 
     def _checked_approval(self, request_id, expires_in, action) -> tuple[str, dict]:
         """request_approval's arguments, checked: the request id and the expiry
@@ -331,11 +351,14 @@ class Inbox:
         now = validate.optional_epoch("now", now)
         fired_total = 0
         with db.connection(self._pool) as conn:
-            while True:
-                fired = timers.fire_due(conn, now, SCHEDULER_BATCH)
-                fired_total += fired
-                if fired < SCHEDULER_BATCH:
-                    return fired_total
+            for fire in (timers.fire_due, timers.fire_due_cron):
+                while True:
+                    with conn.transaction():
+                        fired = fire(conn, now, SCHEDULER_BATCH)
+                    fired_total += fired
+                    if fired < SCHEDULER_BATCH:
+                        break
+        return fired_total
 
     def request_approval(self, user: str, request_id: str, *, expires_in: int, action: Any,
                          now: int | None = None) -> int:

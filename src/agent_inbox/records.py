@@ -38,6 +38,10 @@ class Timer:
     payload: Any
     key: tuple[str, str] | None
     done: bool
+    cron: str | None = None
+    timezone: str | None = None
+    missed: str = "coalesce"
+    catch_up_limit: int = 100
 
 
 @dataclass(frozen=True, slots=True)

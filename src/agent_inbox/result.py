@@ -27,6 +27,10 @@ class TimerRequest:
     payload: Mapping[str, Any] = field(default_factory=dict)
     every: int | None = None
     key: tuple[str, str] | None = None
+    cron: str | None = None
+    timezone: str = "UTC"
+    missed: str = "coalesce"
+    catch_up_limit: int = 100
 
 
 @dataclass(frozen=True)

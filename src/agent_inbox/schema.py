@@ -84,14 +84,26 @@ timers = sa.Table(
     sa.Column("timer_id", sa.Text, nullable=False),
     sa.Column("due", sa.BigInteger, nullable=False),
     sa.Column("every", sa.BigInteger),
+    # A recurring timer repeats by `every` seconds or by a cron expression in `timezone`.
+    sa.Column("cron", sa.Text),
+    sa.Column("timezone", sa.Text),
+    # Missed occurrences: 'coalesce' into one event, or 'catch_up' with one event
+    # each, at most catch_up_limit per firing (the overflow is reported).
+    sa.Column("missed", sa.Text, nullable=False, server_default="coalesce"),
+    sa.Column("catch_up_limit", sa.Integer, nullable=False, server_default="100"),
     sa.Column("payload", JSONB, nullable=False),
     sa.Column("event_source", sa.Text),
     sa.Column("event_source_id", sa.Text),
     sa.Column("done", sa.Boolean, nullable=False, server_default=sa.false()),
     sa.PrimaryKeyConstraint("user_id", "timer_id"),
     sa.CheckConstraint("every IS NULL OR every > 0", name="every"),
+    sa.CheckConstraint("every IS NULL OR cron IS NULL", name="every_or_cron"),
+    sa.CheckConstraint("(cron IS NULL) = (timezone IS NULL)", name="cron_has_timezone"),
+    sa.CheckConstraint("missed IN ('coalesce', 'catch_up')", name="missed"),
+    sa.CheckConstraint("catch_up_limit > 0", name="catch_up_limit"),
     sa.CheckConstraint(
-        "every IS NULL OR event_source IS NULL", name="recurring_has_no_fixed_key"
+        "(every IS NULL AND cron IS NULL) OR event_source IS NULL",
+        name="recurring_has_no_fixed_key",
     ),
     sa.CheckConstraint(
         "(event_source IS NULL) = (event_source_id IS NULL)", name="key_is_pair"
@@ -111,6 +123,9 @@ outbox = sa.Table(
     sa.Column("sent_at", sa.BigInteger),
     # Urgent messages are sent at once, regardless of the user's outbox gap.
     sa.Column("urgent", sa.Boolean, nullable=False, server_default=sa.false()),
+    # The batch a row was assigned to before sending (its first row's id): a
+    # batch resent after a crash holds the same rows and carries the same key.
+    sa.Column("batch", sa.BigInteger),
     sa.PrimaryKeyConstraint("user_id", "id"),
 )
 

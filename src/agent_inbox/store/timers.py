@@ -1,26 +1,35 @@
 """Timers: they feed the inbox and never start a run.
 
 A due timer becomes an inbox event under the key ('timer', '<timer_id>@<at>') (or
-the one-off's fixed key), and the timer advances in the same statement, so a
+the one-off's fixed key), and the timer advances in the same transaction, so a
 second scheduler pass finds nothing due and a replay of the same occurrence is a
 duplicate in the inbox. Missed occurrences of a recurring timer coalesce into one
-event for the latest of them; the next due time stays on the grid. Many
-schedulers may run at once: due rows are taken with FOR UPDATE SKIP LOCKED.
+event for the latest of them ('coalesce', the default), or become one event each
+('catch_up', at most catch_up_limit per firing, the overflow reported); the next
+due time stays on the schedule. Many schedulers may run at once: due rows are
+taken with FOR UPDATE SKIP LOCKED.
 """
 
+import json
+from collections import deque
 
+from agent_inbox import cron
 from agent_inbox.records import Timer
-from agent_inbox.store import notify
+from agent_inbox.store import inbox, notify
 from agent_inbox.store.clock import DB_CLOCK, NOW
 
 # Replacing a timer re-arms it; due is `base + delay`, base defaulting to the
 # database clock (request_approval's deadline is now + expires_in).
 UPSERT = f"""
-INSERT INTO timers (user_id, timer_id, due, every, payload, event_source, event_source_id)
+INSERT INTO timers (user_id, timer_id, due, every, cron, timezone, missed, catch_up_limit,
+                    payload, event_source, event_source_id)
 VALUES (%(user)s, %(timer_id)s, coalesce(%(base)s::bigint, {DB_CLOCK}) + %(delay)s,
-        %(every)s, %(payload)s::jsonb, %(event_source)s, %(event_source_id)s)
+        %(every)s, %(cron)s, %(timezone)s, %(missed)s, %(catch_up_limit)s,
+        %(payload)s::jsonb, %(event_source)s, %(event_source_id)s)
 ON CONFLICT (user_id, timer_id) DO UPDATE
-   SET due = excluded.due, every = excluded.every, payload = excluded.payload,
+   SET due = excluded.due, every = excluded.every, cron = excluded.cron,
+       timezone = excluded.timezone, missed = excluded.missed,
+       catch_up_limit = excluded.catch_up_limit, payload = excluded.payload,
        event_source = excluded.event_source, event_source_id = excluded.event_source_id,
        done = false
 RETURNING due, pg_notify('{notify.TIMERS}', '')
@@ -28,56 +37,126 @@ RETURNING due, pg_notify('{notify.TIMERS}', '')
 
 
 def upsert(conn, user: str, timer_id: str, *, base: int | None, delay: int, every: int | None,
-           payload_json: str, key: tuple[str, str] | None) -> int:
+           payload_json: str, key: tuple[str, str] | None, cron: str | None = None,
+           timezone: str | None = None, missed: str = "coalesce", catch_up_limit: int = 100) -> int:
     """Create or replace a timer; returns its due time."""
     source, source_id = key if key else (None, None)
     params = {
         "user": user, "timer_id": timer_id, "base": base, "delay": delay, "every": every,
+        "cron": cron, "timezone": timezone, "missed": missed, "catch_up_limit": catch_up_limit,
         "payload": payload_json, "event_source": source, "event_source_id": source_id,
     }
     return conn.execute(UPSERT, params).fetchone()[0]
 
 
-# Spans users (the scheduler's scan). One batch of due timers, oldest first, each
-# fired once: coalesced occurrence, event insert and advance in one statement.
-FIRE_DUE = """
+# Spans users (the scheduler's scan). One batch of due one-off and `every`
+# timers, oldest first, each fired once in one statement: the occurrences to
+# emit (the latest, or with catch_up the latest catch_up_limit), their event
+# inserts, and the timer's advance to the next time on its grid.
+FIRE_DUE = f"""
 WITH clock AS (
-    SELECT coalesce(%(now)s::bigint, {db_clock}) AS now
+    SELECT {NOW} AS now
 ), ripe AS (
-    SELECT t.user_id, t.timer_id, t.due, t.every, t.payload, t.event_source, t.event_source_id
+    SELECT t.user_id, t.timer_id, t.due, t.every, t.missed, t.catch_up_limit, t.payload,
+           t.event_source, t.event_source_id
       FROM timers t, clock
-     WHERE NOT t.done AND t.due <= clock.now
+     WHERE NOT t.done AND t.cron IS NULL AND t.due <= clock.now
      ORDER BY t.due
      LIMIT %(limit)s
        FOR UPDATE OF t SKIP LOCKED
-), occurrence AS (
-    SELECT r.*, clock.now, s.skipped, r.due + s.skipped * coalesce(r.every, 0) AS at
+), latest AS (
+    SELECT r.*, clock.now,
+           CASE WHEN r.every IS NULL THEN 0 ELSE (clock.now - r.due) / r.every END AS skipped
       FROM ripe r CROSS JOIN clock
-     CROSS JOIN LATERAL (SELECT CASE WHEN r.every IS NULL THEN 0
-                                     ELSE (clock.now - r.due) / r.every END AS skipped) s
+), occurrence AS (
+    SELECT l.*, l.due + (l.skipped - k) * coalesce(l.every, 0) AS at
+      FROM latest l
+     CROSS JOIN LATERAL generate_series(
+           0, CASE WHEN l.missed = 'catch_up' THEN least(l.skipped, l.catch_up_limit - 1)
+                   ELSE 0 END) AS k
 ), inserted AS (
     INSERT INTO events (user_id, source, source_id, payload)
     SELECT user_id,
            coalesce(event_source, 'timer'),
            coalesce(event_source_id, timer_id || '@' || at),
-           payload || jsonb_build_object('scheduled_for', at, 'late_by', now - at,
-                                         'skipped', skipped)
+           payload || CASE WHEN missed = 'coalesce'
+                           THEN jsonb_build_object('scheduled_for', at, 'late_by', now - at,
+                                                   'skipped', skipped)
+                           ELSE jsonb_build_object('scheduled_for', at, 'late_by', now - at,
+                                                   'skipped', 0, 'overflow',
+                                                   greatest(0, skipped + 1 - catch_up_limit))
+                      END
       FROM occurrence
-     ORDER BY at, user_id, timer_id
+     ORDER BY user_id, at, timer_id
         ON CONFLICT (user_id, source, source_id) DO NOTHING
 ), advanced AS (
     UPDATE timers t
-       SET due = CASE WHEN o.every IS NULL THEN t.due ELSE o.at + o.every END,
-           done = o.every IS NULL
-      FROM occurrence o
-     WHERE t.user_id = o.user_id AND t.timer_id = o.timer_id
+       SET due = CASE WHEN l.every IS NULL THEN t.due ELSE l.due + (l.skipped + 1) * l.every END,
+           done = l.every IS NULL
+      FROM latest l
+     WHERE t.user_id = l.user_id AND t.timer_id = l.timer_id
 )
-SELECT count(*) FROM occurrence
-""".format(db_clock=DB_CLOCK)
+SELECT count(*) FROM latest
+"""
 
 
 def fire_due(conn, now: int | None, limit: int) -> int:
     return conn.execute(FIRE_DUE, {"now": now, "limit": limit}).fetchone()[0]
+
+
+# Spans users (the scheduler's scan): due cron timers, taken as FIRE_DUE takes
+# its timers; their occurrences are computed in Python (cron.py).
+RIPE_CRON = f"""
+WITH clock AS (SELECT {NOW} AS now)
+SELECT t.user_id, t.timer_id, t.due, t.cron, t.timezone, t.missed, t.catch_up_limit, t.payload,
+       clock.now
+  FROM timers t, clock
+ WHERE NOT t.done AND t.cron IS NOT NULL AND t.due <= clock.now
+ ORDER BY t.due
+ LIMIT %(limit)s
+   FOR UPDATE OF t SKIP LOCKED
+"""
+
+ADVANCE_CRON = """
+UPDATE timers SET due = %(due)s WHERE user_id = %(user)s AND timer_id = %(timer_id)s
+"""
+
+# Occurrences counted one by one at most this far; beyond it a firing reports
+# "at least" this many skipped (a minutely cron after a three-month outage).
+_MAX_COUNTED = 100_000
+
+
+def _occurrences(schedule: cron.Schedule, first: int, until: int, keep: int) -> tuple[list[int], int]:
+    """The last `keep` occurrences from `first` (itself one) up to `until`, and how
+    many there were (counting stops at _MAX_COUNTED)."""
+    kept, total, at = deque([first], maxlen=keep), 1, first
+    while total < _MAX_COUNTED:
+        at = schedule.next_after(at)
+        if at > until:
+            break
+        kept.append(at)
+        total += 1
+    return list(kept), total
+
+
+def fire_due_cron(conn, now: int | None, limit: int) -> int:
+    """Fire one batch of due cron timers, in the caller's transaction."""
+    ripe = conn.execute(RIPE_CRON, {"now": now, "limit": limit}).fetchall()
+    for user, timer_id, due, expression, zone, missed, cap, payload, now_db in ripe:
+        schedule = cron.parse(expression, zone)
+        emitted, total = _occurrences(schedule, due, now_db, 1 if missed == "coalesce" else cap)
+        rows = []
+        for at in emitted:
+            body = dict(payload, scheduled_for=at, late_by=now_db - at)
+            if missed == "coalesce":
+                body["skipped"] = total - 1
+            else:
+                body.update(skipped=0, overflow=total - len(emitted))
+            rows.append((user, "timer", f"{timer_id}@{at}", json.dumps(body)))
+        inbox.insert_many(conn, rows)
+        conn.execute(ADVANCE_CRON, {"user": user, "timer_id": timer_id,
+                                    "due": schedule.next_after(now_db)})
+    return len(ripe)
 
 
 # Spans users (the scheduler's sleep): seconds until the next timer is due.
@@ -97,12 +176,12 @@ LIST = """
 SELECT timer_id, due, every, payload,
        CASE WHEN event_source IS NULL THEN NULL
             ELSE ARRAY[event_source, event_source_id] END AS key,
-       done
+       done, cron, timezone, missed, catch_up_limit
   FROM timers WHERE user_id = %(user)s ORDER BY timer_id
 """
 
 
 def list_timers(conn, user: str) -> list[Timer]:
     rows = conn.execute(LIST, {"user": user}).fetchall()
-    return [Timer(t, due, every, payload, tuple(key) if key else None, done)
-            for t, due, every, payload, key, done in rows]
+    return [Timer(t, due, every, payload, tuple(key) if key else None, *rest)
+            for t, due, every, payload, key, *rest in rows]

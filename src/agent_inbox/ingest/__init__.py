@@ -1,0 +1,14 @@
+"""HTTP intake for provider webhooks: verify the sender's signature, then store
+the delivery once with `Inbox.ingest`, and acknowledge.
+
+Invariant: nothing reaches the inbox unless its signature verified against the
+secret configured for that user and source; secrets are never logged or echoed.
+
+Modules: `signatures` (pure HMAC checks), `secrets` (the secrets file and its
+SIGHUP reload), `app` (the Starlette application), `command` (the
+`agent-inbox ingest-server` command).
+"""
+
+# Shared defaults (here so that importing the command does not import Starlette).
+DEFAULT_MAX_BODY = 1 << 20  # 1 MiB
+DEFAULT_STRIPE_TOLERANCE = 300  # seconds

@@ -1,0 +1,89 @@
+"""`agent-inbox ingest-server`: serve the webhook intake with uvicorn.
+
+Invariant: the server answers no request unless the schema is at head
+(`migrate.require_head`) and the secrets file loaded whole and valid; after
+that, SIGHUP reloads the secrets (a failed reload keeps the ones in use) and
+SIGTERM or SIGINT stops it gracefully. No option value that is a secret is
+logged: secrets come only from the file, never from the command line.
+
+Wired into cli.py with `ingest.command.add_parser(commands)`; `args.run(args)`
+returns the exit code, and errors.AgentInboxError is reported by cli.main
+(exit 2).
+"""
+
+import argparse
+import logging
+
+from agent_inbox import errors, validate
+from agent_inbox.ingest import DEFAULT_MAX_BODY, DEFAULT_STRIPE_TOLERANCE
+
+log = logging.getLogger("agent_inbox.ingest")
+
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_PORT = 8080
+DEFAULT_POOL_SIZE = 8
+
+
+def add_parser(commands) -> argparse.ArgumentParser:
+    """Add `ingest-server` to an argparse subparsers object; sets run=cmd_ingest_server."""
+    # Imported here, not at the top: cli.py imports this module, at whatever
+    # point of its own loading the lead chooses.
+    from agent_inbox.cli import _add_database_url, env_default
+
+    parser = commands.add_parser(
+        "ingest-server", help="receive signed webhooks (GitHub, Stripe, generic) into users' inboxes")
+    _add_database_url(parser, required=True)
+    parser.add_argument("--host", default=env_default("host", DEFAULT_HOST),
+                        help=f"address to listen on (default {DEFAULT_HOST})")
+    parser.add_argument("--port", type=int, default=env_default("port", DEFAULT_PORT),
+                        help=f"port to listen on, 0 for any free one (default {DEFAULT_PORT})")
+    parser.add_argument("--secrets", default=env_default("secrets"),
+                        required=not env_default("secrets"),
+                        help="JSON or TOML file of {user: {source: secret}}, re-read on SIGHUP "
+                             "(env AGENT_INBOX_SECRETS)")
+    parser.add_argument("--max-body", type=int, default=env_default("max-body", DEFAULT_MAX_BODY),
+                        help=f"largest request body in bytes (default {DEFAULT_MAX_BODY})")
+    parser.add_argument("--stripe-tolerance", type=int,
+                        default=env_default("stripe-tolerance", DEFAULT_STRIPE_TOLERANCE),
+                        help="seconds a Stripe-Signature timestamp may differ from now "
+                             f"(default {DEFAULT_STRIPE_TOLERANCE})")
+    parser.add_argument("--pool-size", type=int, default=env_default("pool-size", DEFAULT_POOL_SIZE),
+                        help="database connections, and threads running ingests "
+                             f"(default {DEFAULT_POOL_SIZE})")
+    parser.add_argument("--log-level", default=env_default("log-level", "info"),
+                        choices=["debug", "info", "warning", "error"])
+    parser.set_defaults(run=cmd_ingest_server, command="ingest-server")
+    return parser
+
+
+def cmd_ingest_server(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from agent_inbox.cli import _open_service_inbox
+    from agent_inbox.ingest.app import build_app
+    from agent_inbox.ingest.secrets import SecretStore
+    from agent_inbox.service import Stop
+
+    max_body = validate.positive_int("--max-body", args.max_body)
+    tolerance = validate.epoch("--stripe-tolerance", args.stripe_tolerance)
+    pool_size = validate.positive_int("--pool-size", args.pool_size)
+    if not 0 <= args.port <= 65535:
+        raise errors.InvalidInput("--port", args.port, "must be between 0 and 65535")
+    if not args.secrets:
+        raise errors.InvalidInput("--secrets", None, "is required (or AGENT_INBOX_SECRETS)")
+    secrets = SecretStore.from_file(args.secrets)  # before connecting: a bad file fails fast
+
+    stop = Stop().install()  # uvicorn takes SIGTERM/SIGINT over while it serves
+    with _open_service_inbox(args, pool_size, max_payload_bytes=max_body) as inbox:
+        log.info("secrets loaded from %s", secrets.describe())
+        app = build_app(inbox, secrets, max_body, tolerance, threads=pool_size)
+        server = uvicorn.Server(uvicorn.Config(
+            app, host=args.host, port=args.port, log_level=args.log_level.lower(),
+            lifespan="on", server_header=False))
+        secrets.install_sighup()
+        try:
+            if not stop.is_set():
+                server.run()
+        finally:
+            secrets.close()
+    return 0

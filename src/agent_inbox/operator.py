@@ -1,0 +1,410 @@
+"""Operator commands: `agent-inbox status`, `events`, `dead list|requeue|discard`,
+`timers` and `approve`.
+
+Each prints a readable table, or with `--json` one JSON document on stdout for
+scripts (times as epoch seconds). Progress, audit lines and errors go to stderr.
+
+Exit codes: 0 done; 1 some ids given to `dead requeue` or `dead discard` were
+not dead events (they are listed and left alone); 2 bad input, or no usable
+database (nothing changed); 3 `approve` named a request never made.
+"""
+
+import argparse
+import contextlib
+import datetime
+import functools
+import getpass
+import json
+import logging
+import socket
+import sys
+import time
+
+from agent_inbox import cli, db, errors
+from agent_inbox.schema import EVENT_STATUSES
+from agent_inbox.store import admin
+
+log = logging.getLogger(__name__)
+
+# Event ids per repair transaction; more than one chunk reports progress.
+CHUNK = 1000
+DEFAULT_LIMIT = 100
+# Longest text shown in a table cell; --json shows everything.
+MAX_CELL = 60
+_BIGINT_MAX = 2**63 - 1
+
+EXIT_NOT_ALL = 1
+EXIT_BAD_INPUT = 2
+EXIT_UNKNOWN = 3
+
+# --- arguments ----------------------------------------------------------------
+
+
+def _text(value: str) -> str:
+    if not value:
+        raise argparse.ArgumentTypeError("must not be empty")
+    if "\x00" in value:
+        raise argparse.ArgumentTypeError("must not contain NUL characters")
+    return value
+
+
+def _positive(value: str) -> int:
+    try:
+        number = int(value, 10)
+    except ValueError:
+        number = 0
+    if not 0 < number <= _BIGINT_MAX:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a positive integer")
+    return number
+
+
+def _epoch(value: str) -> int:
+    try:
+        number = int(value, 10)
+    except ValueError:
+        number = -1
+    if not 0 <= number <= _BIGINT_MAX:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a time in whole epoch seconds")
+    return number
+
+
+def _parser(commands, name: str, help_text: str, description: str | None = None):
+    parser = commands.add_parser(name, help=help_text, description=description or help_text,
+                                 epilog=__doc__.split("\n\n")[-1].strip(),
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    cli._add_database_url(parser, required=True)
+    parser.add_argument("--json", action="store_true",
+                        help="print one JSON document on stdout (for scripts)")
+    return parser
+
+
+def _add_limit(parser, what: str) -> None:
+    parser.add_argument("--limit", type=_positive, default=DEFAULT_LIMIT,
+                        help=f"show at most this many {what} (default {DEFAULT_LIMIT})")
+
+
+def _add_now(parser) -> None:
+    parser.add_argument("--now", type=_epoch, default=None,
+                        help="the current time in epoch seconds, for tests and simulations "
+                             "(default: the database server's clock)")
+
+
+def add_parsers(commands) -> None:
+    """Add the operator subcommands to an argparse subparsers object."""
+    status = _parser(commands, "status", "per-user work, leases and held messages, with totals",
+                     "Per user: pending, running and dead events, the lease (holder, generation, "
+                     "expiry) and held outbox messages, busiest first; then totals over every "
+                     "user. Users with only finished work are not shown.")
+    _add_limit(status, "users")
+    _add_now(status)
+    status.set_defaults(run=cmd_status)
+
+    events = _parser(commands, "events", "a user's events, newest first")
+    events.add_argument("--user", type=_text, required=True)
+    events.add_argument("--status", choices=EVENT_STATUSES)
+    _add_limit(events, "events")
+    events.set_defaults(run=cmd_events)
+
+    dead = commands.add_parser("dead", help="list, requeue or discard dead events",
+                               description="Events parked as dead after too many attempts.")
+    dead_commands = dead.add_subparsers(dest="dead_command", required=True,
+                                        metavar="{list,requeue,discard}")
+    listing = _parser(dead_commands, "list", "dead events across users, newest first")
+    listing.add_argument("--user", type=_text, help="only this user's")
+    _add_limit(listing, "events")
+    listing.set_defaults(run=cmd_dead_list)
+
+    requeue = _parser(
+        dead_commands, "requeue", "make dead events pending again, as fresh",
+        "Make dead events pending again with attempts 0, error cleared and claimable now, "
+        "and wake the workers. Only dead events change: other ids are listed and left "
+        "alone (exit 1). Each requeue is written to stderr as an audit line.")
+    requeue.add_argument("ids", metavar="ID", nargs="+", type=_positive, help="event ids")
+    requeue.add_argument("--user", type=_text, help="only events of this user")
+    _add_now(requeue)
+    requeue.set_defaults(run=cmd_dead_requeue)
+
+    discard = _parser(
+        dead_commands, "discard", "delete dead events (their dedup keys go with them)",
+        "Delete dead events. Only dead events are deleted: other ids are listed and left "
+        "alone (exit 1). Deleting an event deletes its dedup key: a later redelivery of "
+        "the same (user, source, source_id) is stored and run again. Each deletion is "
+        "written to stderr as an audit line.")
+    discard.add_argument("ids", metavar="ID", nargs="+", type=_positive, help="event ids")
+    discard.add_argument("--user", type=_text, help="only events of this user")
+    discard.set_defaults(run=cmd_dead_discard)
+
+    timers = _parser(commands, "timers", "a user's timers, the next to fire first")
+    timers.add_argument("--user", type=_text, required=True)
+    _add_limit(timers, "timers")
+    _add_now(timers)
+    timers.set_defaults(run=cmd_timers)
+
+    approve = _parser(
+        commands, "approve", "answer an approval request and show the answer that stands",
+        "Answer an approval request unless it is already answered or past its deadline, "
+        "and print the answer that stands: yes, no or expired (exit 0, whether or not it "
+        "is the answer given), or unknown for a request never made (exit 3).")
+    approve.add_argument("user", type=_text)
+    approve.add_argument("request", type=_text, help="the approval request id")
+    approve.add_argument("answer", choices=("yes", "no"))
+    _add_now(approve)
+    approve.set_defaults(run=cmd_approve)
+
+
+# --- running ------------------------------------------------------------------
+
+
+def _command(name: str):
+    """Errors agent-inbox names (no database URL, schema not at head, database
+    unavailable) become a message on stderr and exit code 2."""
+    def decorate(handler):
+        @functools.wraps(handler)
+        def run(args: argparse.Namespace) -> int:
+            try:
+                return handler(args, name)
+            except errors.AgentInboxError as exc:
+                print(f"agent-inbox: {exc}", file=sys.stderr)
+                return EXIT_BAD_INPUT
+        return run
+    return decorate
+
+
+@contextlib.contextmanager
+def _opened(args: argparse.Namespace, name: str):
+    from agent_inbox import Inbox, migrate
+
+    if not args.database_url:
+        raise errors.InvalidInput("--database-url", None, "is required (or AGENT_INBOX_DATABASE_URL)")
+    migrate.require_head(args.database_url)
+    with Inbox.connect(args.database_url, pool_size=1,
+                       application_name=f"agent-inbox-{name}") as inbox:
+        yield inbox
+
+
+def _emit(args: argparse.Namespace, document: dict, text: str) -> None:
+    if args.json:
+        json.dump(document, sys.stdout, indent=2, ensure_ascii=False)
+        sys.stdout.write("\n")
+    else:
+        sys.stdout.write(text if text.endswith("\n") else text + "\n")
+
+
+@_command("status")
+def cmd_status(args: argparse.Namespace, name: str) -> int:
+    with _opened(args, name) as inbox, db.connection(inbox.pool) as conn:
+        report = admin.status(conn, args.limit, args.now)
+    now, users, totals = report["now"], report["users"], report["totals"]
+    rows = [[u["user"], u["pending"], u["running"], u["dead"], u["outbox_held"],
+             u["lease_holder"], u["lease_gen"] or None, _lease_expiry(u)] for u in users]
+    lines = [format_table(["user", "pending", "running", "dead", "outbox held", "lease holder",
+                           "gen", "lease expires"], rows)] if users else [
+        "no user has pending, running or dead events, held messages or a lease"]
+    lines.append(f"total: {totals['users']} users, {totals['pending']} pending, "
+                 f"{totals['running']} running, {totals['dead']} dead, "
+                 f"{totals['outbox_held']} outbox held")
+    if len(users) < totals["users"]:
+        lines.append(f"(showing the {len(users)} busiest of {totals['users']} users: --limit)")
+    _emit(args, {"now": now, "users": users, "totals": totals}, "\n".join(lines))
+    return 0
+
+
+def _lease_expiry(user: dict) -> str | None:
+    if not user["lease_gen"]:
+        return None  # never held
+    return f"{_relative(user['lease_expires_in'])} ({_when(user['lease_until'])})"
+
+
+@_command("events")
+def cmd_events(args: argparse.Namespace, name: str) -> int:
+    with _opened(args, name) as inbox, db.connection(inbox.pool) as conn:
+        events, total = admin.events(conn, args.user, args.status, args.limit)
+    rows = [[e["id"], e["source"], e["source_id"], e["status"], e["attempts"], e["error"],
+             _when(e["created_at"])] for e in events]
+    what = f"{args.status} events" if args.status else "events"
+    text = (format_table(["id", "source", "source_id", "status", "attempts", "error", "created"],
+                         rows) if events else f"user {args.user!r} has no {what}")
+    if len(events) < total:
+        text += f"\n(showing the newest {len(events)} of {total} {what}: --limit)"
+    _emit(args, {"user": args.user, "status": args.status, "total": total, "events": events},
+          text)
+    return 0
+
+
+@_command("dead-list")
+def cmd_dead_list(args: argparse.Namespace, name: str) -> int:
+    with _opened(args, name) as inbox, db.connection(inbox.pool) as conn:
+        events, total = admin.dead(conn, args.user, args.limit)
+    rows = [[e["user"], e["id"], e["source"], e["source_id"], e["attempts"], e["error"]]
+            for e in events]
+    text = (format_table(["user", "id", "source", "source_id", "attempts", "error"], rows)
+            if events else "no dead events" + (f" for user {args.user!r}" if args.user else ""))
+    if len(events) < total:
+        text += f"\n(showing the newest {len(events)} of {total} dead events: --limit)"
+    _emit(args, {"user": args.user, "total": total, "events": events}, text)
+    return 0
+
+
+@_command("dead-requeue")
+def cmd_dead_requeue(args: argparse.Namespace, name: str) -> int:
+    return _repair(args, name, "requeue", "requeued",
+                   lambda conn, pairs: admin.requeue(conn, pairs, args.now))
+
+
+@_command("dead-discard")
+def cmd_dead_discard(args: argparse.Namespace, name: str) -> int:
+    return _repair(args, name, "discard", "discarded", admin.discard)
+
+
+def _repair(args: argparse.Namespace, name: str, verb: str, done_word: str, apply) -> int:
+    """Resolve the ids to users, then apply `verb` to dead ones, CHUNK ids per
+    transaction; each chunk is audited on stderr once committed."""
+    ids = sorted(set(args.ids))
+    done: list[dict] = []
+    with _opened(args, name) as inbox:
+        with db.connection(inbox.pool) as conn:
+            found = admin.resolve(conn, ids, args.user)
+        pairs = [(found[i][0], i) for i in ids if i in found]
+        for start in range(0, len(pairs), CHUNK):
+            with db.transaction(inbox.pool) as conn:
+                rows = apply(conn, pairs[start:start + CHUNK])
+            _audit(f"dead {verb}", rows)
+            done += rows
+            if len(pairs) > CHUNK:
+                print(f"dead {verb}: {min(start + CHUNK, len(pairs))}/{len(pairs)} ids processed, "
+                      f"{len(done)} {done_word}", file=sys.stderr, flush=True)
+    done_ids = {row["id"] for row in done}
+    left = [_left_alone(i, found.get(i), args.user) for i in ids if i not in done_ids]
+    key = "not_" + done_word
+    if verb == "requeue":
+        headers = ["user", "id", "source", "source_id", "previous attempts", "previous error"]
+        rows = [[r["user"], r["id"], r["source"], r["source_id"], r["previous_attempts"],
+                 r["previous_error"]] for r in done]
+        title = f"{done_word} {len(done)} dead events (attempts 0, claimable now):"
+    else:
+        headers = ["user", "id", "source", "source_id", "attempts", "error"]
+        rows = [[r["user"], r["id"], r["source"], r["source_id"], r["attempts"], r["error"]]
+                for r in done]
+        title = f"{done_word} {len(done)} dead events (their keys can be stored again):"
+    lines = [title, format_table(headers, rows)] if done else []
+    if left:
+        lines += [f"not {done_word} (left alone):",
+                  format_table(["id", "user", "reason"],
+                               [[x["id"], x["user"], x["reason"]] for x in left])]
+    lines.append(f"{done_word} {len(done)} of {len(ids)} ids; {len(left)} not {done_word}")
+    _emit(args, {"requested": len(ids), done_word: done, key: left}, "\n".join(lines))
+    return EXIT_NOT_ALL if left else 0
+
+
+def _left_alone(event_id: int, found: tuple[str, str] | None, user: str | None) -> dict:
+    if found is None:
+        owner, state = None, None
+        reason = "no such event" + (f" for user {user!r}" if user else "")
+    else:
+        owner, state = found
+        reason = "no longer dead (changed meanwhile)" if state == "dead" else f"status {state}"
+    return {"id": event_id, "user": owner, "status": state, "reason": reason}
+
+
+def _audit(action: str, rows: list[dict]) -> None:
+    """One line per event changed, on stderr, and one log record per chunk. (A
+    durable audit table needs a schema migration.)"""
+    if not rows:
+        return
+    try:
+        who = getpass.getuser()
+    except Exception:  # no login name in the environment or the password database
+        who = "unknown"
+    stamp = f"by {who}@{socket.gethostname()} at {_when(int(time.time()))}"
+    for row in rows:
+        before = (f"previous attempts={row['previous_attempts']} previous error={row['previous_error']!r}"
+                  if "previous_attempts" in row else
+                  f"attempts={row['attempts']} error={row['error']!r}")
+        print(f"agent-inbox audit: {action} {stamp}: user={row['user']!r} id={row['id']} "
+              f"source={row['source']!r} source_id={row['source_id']!r} {before}",
+              file=sys.stderr, flush=True)
+    log.info("%s %s: %d events: %s", action, stamp, len(rows),
+             ", ".join(f"{row['user']}/{row['id']}" for row in rows))
+
+
+@_command("timers")
+def cmd_timers(args: argparse.Namespace, name: str) -> int:
+    with _opened(args, name) as inbox, db.connection(inbox.pool) as conn:
+        found, total = admin.timers(conn, args.user, args.limit, args.now)
+    rows = [[t["timer_id"], _when(t["due"]), _duration(t["every"]) if t["every"] else None,
+             "/".join(t["key"]) if t["key"] else None, "yes" if t["done"] else "no",
+             None if t["done"] else _relative(t["due_in"])] for t in found]
+    text = (format_table(["timer", "due", "every", "key", "done", "next due"], rows)
+            if found else f"user {args.user!r} has no timers")
+    if len(found) < total:
+        text += f"\n(showing {len(found)} of {total} timers: --limit)"
+    _emit(args, {"user": args.user, "total": total, "timers": found}, text)
+    return 0
+
+
+@_command("approve")
+def cmd_approve(args: argparse.Namespace, name: str) -> int:
+    with _opened(args, name) as inbox:
+        standing = inbox.answer_approval(args.user, args.request, args.answer, now=args.now)
+    document = {"user": args.user, "request": args.request, "answer": args.answer,
+                "standing": standing, "stood": standing == args.answer}
+    if standing == "unknown":
+        text = f"unknown: user {args.user!r} has no approval request {args.request!r}"
+    elif standing == args.answer:
+        text = f"{standing}: the answer {standing!r} stands"
+    elif standing == "expired":
+        text = f"expired: the request's deadline passed; {args.answer!r} was not stored"
+    else:
+        text = f"{standing}: the answer {standing!r} already stood; {args.answer!r} was not stored"
+    _emit(args, document, text)
+    return EXIT_UNKNOWN if standing == "unknown" else 0
+
+
+# --- formatting ---------------------------------------------------------------
+
+
+def format_table(headers: list[str], rows: list[list]) -> str:
+    """Columns padded to their widest cell; numbers right-aligned; None as '-';
+    control characters escaped (cells hold provider data); long text cut."""
+    cells = [[_cell(value) for value in row] for row in rows]
+    widths = [max([len(h)] + [len(r[i]) for r in cells]) for i, h in enumerate(headers)]
+    numeric = [bool(rows) and all(_is_number(r[i]) or r[i] is None for r in rows)
+               for i in range(len(headers))]
+
+    def line(values: list[str]) -> str:
+        return "  ".join(v.rjust(w) if right else v.ljust(w)
+                         for v, w, right in zip(values, widths, numeric)).rstrip()
+
+    return "\n".join([line(headers), line(["-" * w for w in widths])] + [line(r) for r in cells])
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _cell(value) -> str:
+    if value is None:
+        return "-"
+    text = str(value)
+    text = "".join(c if c.isprintable() else ascii(c)[1:-1] for c in text)
+    return text if len(text) <= MAX_CELL else text[:MAX_CELL - 3] + "..."
+
+
+def _when(epoch: int) -> str:
+    return datetime.datetime.fromtimestamp(epoch, datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _duration(seconds: int) -> str:
+    """'1d 2h', '3m 5s', '45s': the two largest units."""
+    parts = []
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60), ("s", 1)):
+        if seconds >= size or (unit == "s" and not parts):
+            parts.append(f"{seconds // size}{unit}")
+            seconds %= size
+    return " ".join(parts[:2])
+
+
+def _relative(seconds: int) -> str:
+    if seconds == 0:
+        return "now"
+    return f"in {_duration(seconds)}" if seconds > 0 else f"{_duration(-seconds)} ago"

@@ -1,0 +1,244 @@
+"""Operator views and repairs (`agent-inbox status`, `events`, `dead`, `timers`).
+
+Nothing here is on a run's path. Views that read more than one user's rows say
+so. The repairs (requeue, discard) write only rows whose status is 'dead', and
+no statement on a run's path reads or writes a dead row: a claim parks an event
+as dead and never reads it again, and finish and release touch running rows
+only. So a repair never races a running worker and takes no lease lock. Each
+repair locks its rows in (user_id, id) order, so two operators repairing
+overlapping ids never deadlock, and re-checks 'dead' once the row is locked.
+
+Invariant 1 holds for stored keys only: discarding a dead event deletes its key,
+so a redelivery of the same (user, source, source_id) is stored and run again.
+"""
+
+from psycopg.rows import dict_row
+
+from agent_inbox.store import notify
+from agent_inbox.store.clock import NOW
+
+# Spans users (operator view): every user with pending, running or dead events,
+# held outbox messages or a lease still valid, busiest first. The totals count
+# every such user, not only the page shown; one row (user NULL) if there are none.
+STATUS = f"""
+WITH clock AS (
+    SELECT {NOW} AS now
+), counts AS (
+    SELECT user_id,
+           count(*) FILTER (WHERE status = 'pending') AS pending,
+           count(*) FILTER (WHERE status = 'running') AS running,
+           count(*) FILTER (WHERE status = 'dead') AS dead
+      FROM events
+     WHERE status IN ('pending', 'running', 'dead')
+     GROUP BY user_id
+), held AS (
+    SELECT user_id, count(*) AS held FROM outbox WHERE sent_at IS NULL GROUP BY user_id
+), shown AS (
+    SELECT user_id FROM counts
+     UNION
+    SELECT user_id FROM held
+     UNION
+    SELECT l.user_id FROM leases l, clock WHERE l.until >= clock.now
+), per_user AS (
+    SELECT s.user_id,
+           coalesce(c.pending, 0) AS pending, coalesce(c.running, 0) AS running,
+           coalesce(c.dead, 0) AS dead, coalesce(h.held, 0) AS outbox_held,
+           nullif(l.holder, '') AS holder, l.gen, l.until
+      FROM shown s
+      LEFT JOIN counts c ON c.user_id = s.user_id
+      LEFT JOIN held h ON h.user_id = s.user_id
+      LEFT JOIN leases l ON l.user_id = s.user_id
+), page AS (
+    SELECT p.*,
+           count(*) OVER () AS users_total,
+           (sum(p.pending) OVER ())::bigint AS pending_total,
+           (sum(p.running) OVER ())::bigint AS running_total,
+           (sum(p.dead) OVER ())::bigint AS dead_total,
+           (sum(p.outbox_held) OVER ())::bigint AS outbox_held_total
+      FROM per_user p
+     ORDER BY p.pending DESC, p.running DESC, p.dead DESC, p.user_id
+     LIMIT %(limit)s
+)
+SELECT clock.now, page.*
+  FROM clock LEFT JOIN page ON true
+ ORDER BY page.pending DESC, page.running DESC, page.dead DESC, page.user_id
+"""
+
+_TOTALS = ("users", "pending", "running", "dead", "outbox_held")
+
+
+def status(conn, limit: int, now: int | None) -> dict:
+    """{"now", "users": [per user, busiest first], "totals": over every user}."""
+    with conn.cursor(row_factory=dict_row) as cur:
+        rows = cur.execute(STATUS, {"limit": limit, "now": now}).fetchall()
+    users = [{"user": r["user_id"], "pending": r["pending"], "running": r["running"],
+              "dead": r["dead"], "outbox_held": r["outbox_held"], "lease_holder": r["holder"],
+              "lease_gen": r["gen"], "lease_until": r["until"],
+              "lease_expires_in": None if r["until"] is None else r["until"] - r["now"]}
+             for r in rows if r["user_id"] is not None]
+    first = rows[0]
+    totals = {name: (first[f"{name}_total"] or 0) if users else 0 for name in _TOTALS}
+    return {"now": first["now"], "users": users, "totals": totals}
+
+
+# One user's events (operator view), newest first, and how many match in all.
+EVENTS = """
+SELECT id, source, source_id, status, attempts, error, claim_gen,
+       created_at, available_at, claimed_at, count(*) OVER () AS total
+  FROM events
+ WHERE user_id = %(user)s AND (%(status)s::text IS NULL OR status = %(status)s)
+ ORDER BY id DESC
+ LIMIT %(limit)s
+"""
+
+
+def events(conn, user: str, status: str | None, limit: int) -> tuple[list[dict], int]:
+    """(events newest first, without payloads; how many match in all)."""
+    with conn.cursor(row_factory=dict_row) as cur:
+        rows = cur.execute(EVENTS, {"user": user, "status": status, "limit": limit}).fetchall()
+    total = rows[0]["total"] if rows else 0
+    return [_without(r, "total") for r in rows], total
+
+
+# Spans users unless one is named (operator view): dead events, newest first, and
+# how many there are in all. Reads every event (no index holds dead rows).
+DEAD = """
+SELECT user_id AS "user", id, source, source_id, attempts, error, created_at, claimed_at,
+       count(*) OVER () AS total
+  FROM events
+ WHERE status = 'dead' AND (%(user)s::text IS NULL OR user_id = %(user)s)
+ ORDER BY id DESC
+ LIMIT %(limit)s
+"""
+
+
+def dead(conn, user: str | None, limit: int) -> tuple[list[dict], int]:
+    with conn.cursor(row_factory=dict_row) as cur:
+        rows = cur.execute(DEAD, {"user": user, "limit": limit}).fetchall()
+    total = rows[0]["total"] if rows else 0
+    return [_without(r, "total") for r in rows], total
+
+
+# Spans users unless one is named: which user each event id belongs to, and its
+# status now. Event ids are unique across users but the primary key is
+# (user_id, id), so without a user this reads the whole table (once, for all the
+# ids given); the repairs then reach each row by its primary key.
+RESOLVE = """
+SELECT id, user_id, status FROM events
+ WHERE id = ANY(%(ids)s::bigint[]) AND (%(user)s::text IS NULL OR user_id = %(user)s)
+"""
+
+
+def resolve(conn, ids: list[int], user: str | None) -> dict[int, tuple[str, str]]:
+    """{id: (user, status)} for the ids that exist (and are the user's, if named)."""
+    rows = conn.execute(RESOLVE, {"ids": ids, "user": user}).fetchall()
+    return {event_id: (owner, state) for event_id, owner, state in rows}
+
+
+# Repair (the named users' rows, by primary key): dead events become fresh
+# pending ones (attempts 0, error cleared, claimable now). Only rows still dead
+# once locked change, so a row a worker may hold is never written.
+REQUEUE = f"""
+WITH clock AS (
+    SELECT {NOW} AS now
+), target AS (
+    SELECT e.user_id, e.id, e.attempts, e.error
+      FROM events e
+      JOIN unnest(%(users)s::text[], %(ids)s::bigint[]) AS t(user_id, id)
+        ON e.user_id = t.user_id AND e.id = t.id
+     WHERE e.status = 'dead'
+     ORDER BY e.user_id, e.id
+       FOR UPDATE OF e
+), requeued AS (
+    UPDATE events e
+       SET status = 'pending', attempts = 0, error = NULL, available_at = clock.now
+      FROM target t, clock
+     WHERE e.user_id = t.user_id AND e.id = t.id
+ RETURNING e.user_id, e.id, e.source, e.source_id, t.attempts, t.error
+)
+SELECT user_id AS "user", id, source, source_id, attempts AS previous_attempts,
+       error AS previous_error
+  FROM requeued
+ ORDER BY user_id, id
+"""
+
+# Wake waiting workers on commit (a hint; they also poll).
+WAKE_WORKERS = f"SELECT pg_notify('{notify.WORK}', '')"
+
+
+def requeue(conn, pairs: list[tuple[str, int]], now: int | None) -> list[dict]:
+    """Requeue the dead events among (user, id) pairs and wake the workers;
+    the rows requeued, with the attempts and error they had."""
+    users, ids = _columns(pairs)
+    with conn.cursor(row_factory=dict_row) as cur:
+        rows = cur.execute(REQUEUE, {"users": users, "ids": ids, "now": now}).fetchall()
+    if rows:
+        conn.execute(WAKE_WORKERS)
+    return rows
+
+
+# Repair (the named users' rows, by primary key): delete dead events, and with
+# them their keys (see the module's note on invariant 1). Only rows still dead
+# once locked are deleted.
+DISCARD = """
+WITH target AS (
+    SELECT e.user_id, e.id
+      FROM events e
+      JOIN unnest(%(users)s::text[], %(ids)s::bigint[]) AS t(user_id, id)
+        ON e.user_id = t.user_id AND e.id = t.id
+     WHERE e.status = 'dead'
+     ORDER BY e.user_id, e.id
+       FOR UPDATE OF e
+), discarded AS (
+    DELETE FROM events e
+     USING target t
+     WHERE e.user_id = t.user_id AND e.id = t.id
+ RETURNING e.user_id, e.id, e.source, e.source_id, e.attempts, e.error
+)
+SELECT user_id AS "user", id, source, source_id, attempts, error
+  FROM discarded
+ ORDER BY user_id, id
+"""
+
+
+def discard(conn, pairs: list[tuple[str, int]]) -> list[dict]:
+    """Delete the dead events among (user, id) pairs; the rows deleted."""
+    users, ids = _columns(pairs)
+    with conn.cursor(row_factory=dict_row) as cur:
+        return cur.execute(DISCARD, {"users": users, "ids": ids}).fetchall()
+
+
+# One user's timers (operator view): those still to fire first, soonest first.
+TIMERS = f"""
+WITH clock AS (
+    SELECT {NOW} AS now
+)
+SELECT t.timer_id, t.due, t.every, t.event_source, t.event_source_id, t.done, t.payload,
+       t.due - clock.now AS due_in, count(*) OVER () AS total
+  FROM timers t, clock
+ WHERE t.user_id = %(user)s
+ ORDER BY t.done, t.due, t.timer_id
+ LIMIT %(limit)s
+"""
+
+
+def timers(conn, user: str, limit: int, now: int | None) -> tuple[list[dict], int]:
+    """(timers, how many the user has). `key` is the fixed (source, source_id) of
+    a one-off, else None (each occurrence is keyed ('timer', '<id>@<at>'))."""
+    with conn.cursor(row_factory=dict_row) as cur:
+        rows = cur.execute(TIMERS, {"user": user, "limit": limit, "now": now}).fetchall()
+    total = rows[0]["total"] if rows else 0
+    result = []
+    for r in rows:
+        source, source_id = r.pop("event_source"), r.pop("event_source_id")
+        r["key"] = None if source is None else [source, source_id]
+        result.append(_without(r, "total"))
+    return result, total
+
+
+def _columns(pairs: list[tuple[str, int]]) -> tuple[list[str], list[int]]:
+    return [user for user, _ in pairs], [event_id for _, event_id in pairs]
+
+
+def _without(row: dict, key: str) -> dict:
+    return {k: v for k, v in row.items() if k != key}
