@@ -88,8 +88,8 @@ def cmd_dispatcher(args: argparse.Namespace) -> int:
     channel = handler.load(args.channel)
     stop = Stop().install()
     with _open_service_inbox(args, 2, outbox_gap=args.outbox_gap) as inbox:
-        Dispatcher(inbox, channel, poll_interval=args.poll_interval, stop=stop).serve(
-            args.database_url)
+        Dispatcher(inbox, channel, poll_interval=args.poll_interval,
+                   at_most_once=args.at_most_once, stop=stop).serve(args.database_url)
     return 0
 
 
@@ -143,6 +143,10 @@ def build_parser() -> argparse.ArgumentParser:
                             help="module:function called as send(user, text, key)")
     dispatcher.add_argument("--outbox-gap", type=int, default=env_default("outbox-gap", 3600),
                             help="seconds between sends to one user (default 3600)")
+    dispatcher.add_argument("--at-most-once", action="store_true",
+                            default=env_default("at-most-once", "") not in ("", "0", "false"),
+                            help="mark a batch sent before sending it (a crash loses it) instead "
+                                 "of after (a crash resends it, under the same key)")
     dispatcher.set_defaults(run=cmd_dispatcher)
     return parser
 

@@ -1,7 +1,9 @@
 """The dispatcher service: held outbox messages go out through a channel, paced.
 
 A channel is `send(user, text, key)`; `key` names the batch of outbox rows
-(`<user>:<first id>-<last id>`) so a channel can drop a repeat. Per user, at most
+(`<user>:<batch>`), the same when a batch is resent after a crash, so a channel
+can drop the repeat. Delivery is at-least-once (send, then mark sent) unless the
+dispatcher runs with --at-most-once (mark, then send). Per user, at most
 one send per outbox gap, except that an urgent message goes at once (with
 whatever else is held). Safe to run as many copies as you like: each user's
 dispatch holds a per-user transaction lock and marks its rows sent in the
@@ -23,9 +25,10 @@ USERS_PER_PASS = 1000
 
 class Dispatcher:
     def __init__(self, inbox: Inbox, channel, *, poll_interval: float = 5.0,
-                 stop: Stop | None = None):
+                 at_most_once: bool = False, stop: Stop | None = None):
         self.inbox = inbox
         self.channel = channel
+        self.at_most_once = at_most_once
         self.poll_interval = poll_interval
         self.stop = stop or Stop()
         self.waker = Waker(1)
@@ -37,7 +40,8 @@ class Dispatcher:
             users = outbox.users_due(conn, self.inbox.outbox_gap, now, USERS_PER_PASS)
         for user in users:
             sent = self.inbox.dispatch_batch(
-                user, lambda text, key, user=user: self.channel(user, text, key), now=now)
+                user, lambda text, key, user=user: self.channel(user, text, key),
+                at_most_once=self.at_most_once, now=now)
             if sent:
                 log.info("sent user=%s messages=%d", user, sent)
         return 0.0 if len(users) == USERS_PER_PASS else None

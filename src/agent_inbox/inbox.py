@@ -393,20 +393,29 @@ class Inbox:
         return self.dispatch_batch(user, lambda text, key: send(text), now=now)
 
     def dispatch_batch(self, user: str, deliver: Callable[[str, str], Any], *,
-                       now: int | None = None) -> int:
-        """As `dispatch`, with `deliver(text, key)`: `key` names the batch of rows
-        (`<user>:<first id>-<last id>`) so a channel can drop a repeat."""
+                       at_most_once: bool = False, now: int | None = None) -> int:
+        """As `dispatch`, with `deliver(text, key)`: `key` (`<user>:<batch>`) names
+        the batch of rows, and a batch resent after a crash keeps its rows and key,
+        so a channel can drop the repeat. At-least-once (the default): send, then
+        mark sent; a crash in between sends the batch again. At-most-once: mark,
+        then send; a crash in between loses the batch."""
         user = validate.text("user", user)
         now = validate.optional_epoch("now", now)
         if not callable(deliver):
             raise errors.InvalidInput("deliver", deliver, "must be callable")
-        with db.transaction(self._pool) as conn:
-            held = outbox.take_held(conn, user, self.outbox_gap, now)
-            if held is None:
+        with db.connection(self._pool) as conn, outbox.user_lock(conn, user) as locked:
+            if not locked:
+                return 0  # another dispatcher is sending to this user
+            with conn.transaction():
+                chosen = outbox.choose_batch(conn, user, self.outbox_gap, now)
+                if chosen is not None and at_most_once:
+                    outbox.mark_sent(conn, user, chosen[0], now)
+            if chosen is None:
                 return 0
-            ids, bodies, sent_at = held
-            deliver("\n\n".join(bodies), f"{user}:{ids[0]}-{ids[-1]}")
-            outbox.mark_sent(conn, user, ids, sent_at)
+            batch, ids, bodies = chosen
+            deliver("\n\n".join(bodies), f"{user}:{batch}")
+            if not at_most_once:
+                outbox.mark_sent(conn, user, batch, now)
             return len(ids)
 
     def outbox(self, user: str) -> list[OutboxMessage]:

@@ -70,8 +70,7 @@ def _epoch(value: str) -> int:
 
 def _parser(commands, name: str, help_text: str, description: str | None = None):
     parser = commands.add_parser(name, help=help_text, description=description or help_text,
-                                 epilog=__doc__.split("\n\n")[-1].strip(),
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+                                 epilog=__doc__.split("\n\n")[-1].strip())
     cli._add_database_url(parser, required=True)
     parser.add_argument("--json", action="store_true",
                         help="print one JSON document on stdout (for scripts)")
@@ -172,11 +171,18 @@ def _command(name: str):
 
 @contextlib.contextmanager
 def _opened(args: argparse.Namespace, name: str):
+    """The schema check (refuse a schema not at head), then an Inbox on one connection."""
+    import sqlalchemy
+
     from agent_inbox import Inbox, migrate
 
     if not args.database_url:
         raise errors.InvalidInput("--database-url", None, "is required (or AGENT_INBOX_DATABASE_URL)")
-    migrate.require_head(args.database_url)
+    try:
+        migrate.require_head(args.database_url)
+    except sqlalchemy.exc.DBAPIError as exc:  # the check connects through SQLAlchemy
+        raise errors.DatabaseUnavailable(
+            f"could not use the database: {str(exc.orig).strip()}") from exc
     with Inbox.connect(args.database_url, pool_size=1,
                        application_name=f"agent-inbox-{name}") as inbox:
         yield inbox
@@ -368,7 +374,8 @@ def format_table(headers: list[str], rows: list[list]) -> str:
     control characters escaped (cells hold provider data); long text cut."""
     cells = [[_cell(value) for value in row] for row in rows]
     widths = [max([len(h)] + [len(r[i]) for r in cells]) for i, h in enumerate(headers)]
-    numeric = [bool(rows) and all(_is_number(r[i]) or r[i] is None for r in rows)
+    numeric = [any(_is_number(r[i]) for r in rows)
+               and all(_is_number(r[i]) or r[i] is None for r in rows)
                for i in range(len(headers))]
 
     def line(values: list[str]) -> str:

@@ -1,4 +1,6 @@
-"""The scheduler and dispatcher services' passes (`run_once`)."""
+"""The scheduler and dispatcher services' passes (`run_once`), and batch keys."""
+
+import pytest
 
 from agent_inbox import Message, Result
 from agent_inbox.dispatcher import Dispatcher
@@ -32,7 +34,7 @@ def test_a_dispatcher_pass_sends_each_due_user_once_with_a_batch_key(inbox):
     queue(inbox, "b", T, "b1")
     dispatcher.run_once(now=T)
     [a_ids, b_ids] = [[m.id for m in inbox.outbox(u)] for u in ("a", "b")]
-    assert sends == [("a", "a1\n\na2", f"a:{a_ids[0]}-{a_ids[-1]}"), ("b", "b1", f"b:{b_ids[0]}-{b_ids[0]}")]
+    assert sends == [("a", "a1\n\na2", f"a:{a_ids[0]}"), ("b", "b1", f"b:{b_ids[0]}")]
     dispatcher.run_once(now=T)
     assert len(sends) == 2                                   # nothing held, nothing sent
 
@@ -49,3 +51,32 @@ def test_an_urgent_message_goes_at_once_inside_the_gap(inbox):
     dispatcher.run_once(now=T + 120)
     assert sends == ["first", "routine\n\nthe server is down"]
     assert all(m.sent_at is not None for m in inbox.outbox("u"))
+
+
+def test_a_batch_resent_after_a_crash_keeps_its_rows_and_key(inbox):
+    queue(inbox, "u", T, "first")
+    attempts = []
+
+    def crash_after_sending(text, key):
+        attempts.append((text, key))
+        raise ConnectionResetError("crashed before marking the batch sent")
+
+    with pytest.raises(ConnectionResetError):
+        inbox.dispatch_batch("u", crash_after_sending, now=T)
+    queue(inbox, "u", T + 1, "second")              # arrives before the retry
+    inbox.dispatch_batch("u", lambda text, key: attempts.append((text, key)), now=T + 2)
+    assert attempts[0] == attempts[1]               # same rows, same key: droppable
+    assert attempts[1][0] == "first"
+    assert [m.sent_at for m in inbox.outbox("u")] == [T + 2, None]   # "second" waits its turn
+
+
+def test_at_most_once_marks_before_sending(inbox):
+    queue(inbox, "u", T, "only once")
+
+    def crash(text, key):
+        raise ConnectionResetError("lost")
+
+    with pytest.raises(ConnectionResetError):
+        inbox.dispatch_batch("u", crash, at_most_once=True, now=T)
+    assert [m.sent_at for m in inbox.outbox("u")] == [T]            # marked: never resent
+    assert inbox.dispatch_batch("u", crash, at_most_once=True, now=T + 7200) == 0
