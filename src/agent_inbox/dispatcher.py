@@ -12,7 +12,7 @@ transaction that sent them.
 
 import logging
 
-from agent_inbox import db
+from agent_inbox import db, errors
 from agent_inbox.inbox import Inbox
 from agent_inbox.service import Listener, Stop, Waker, serve
 from agent_inbox.store import notify, outbox
@@ -39,9 +39,15 @@ class Dispatcher:
         with db.connection(self.inbox.pool) as conn:
             users = outbox.users_due(conn, self.inbox.outbox_gap, now, USERS_PER_PASS)
         for user in users:
-            sent = self.inbox.dispatch_batch(
-                user, lambda text, key, user=user: self.channel(user, text, key),
-                at_most_once=self.at_most_once, now=now)
+            try:
+                sent = self.inbox.dispatch_batch(
+                    user, lambda text, key, user=user: self.channel(user, text, key),
+                    at_most_once=self.at_most_once, now=now)
+            except errors.DatabaseUnavailable:
+                raise
+            except Exception as exc:  # the channel failed: this user's batch waits
+                log.warning("send failed user=%s: %s", user, exc)
+                continue
             if sent:
                 log.info("sent user=%s messages=%d", user, sent)
         return 0.0 if len(users) == USERS_PER_PASS else None

@@ -74,16 +74,16 @@ def cmd_ingest_server(args: argparse.Namespace) -> int:
     secrets = SecretStore.from_file(args.secrets)  # before connecting: a bad file fails fast
 
     stop = Stop().install()  # uvicorn takes SIGTERM/SIGINT over while it serves
-    with _open_service_inbox(args, pool_size, max_payload_bytes=max_body) as inbox:
-        log.info("secrets loaded from %s", secrets.describe())
-        app = build_app(inbox, secrets, max_body, tolerance, threads=pool_size)
-        server = uvicorn.Server(uvicorn.Config(
-            app, host=args.host, port=args.port, log_level=args.log_level.lower(),
-            lifespan="on", server_header=False))
-        secrets.install_sighup()
-        try:
+    secrets.install_sighup()  # from here on, SIGHUP reloads instead of killing the process
+    try:
+        with _open_service_inbox(args, pool_size, max_payload_bytes=max_body) as inbox:
+            log.info("secrets loaded from %s", secrets.describe())
+            app = build_app(inbox, secrets, max_body, tolerance, threads=pool_size)
+            server = uvicorn.Server(uvicorn.Config(
+                app, host=args.host, port=args.port, log_level=args.log_level.lower(),
+                lifespan="on", server_header=False))
             if not stop.is_set():
                 server.run()
-        finally:
-            secrets.close()
+    finally:
+        secrets.close()
     return 0
