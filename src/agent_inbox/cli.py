@@ -52,8 +52,13 @@ def _open_service_inbox(args: argparse.Namespace, pool_size: int, **options):
     if not args.database_url:
         raise errors.InvalidInput("--database-url", None, "is required (or AGENT_INBOX_DATABASE_URL)")
     migrate.require_head(args.database_url)
-    return Inbox.connect(args.database_url, pool_size=pool_size,
-                         application_name=f"agent-inbox-{args.command}", **options)
+    inbox = Inbox.connect(args.database_url, pool_size=pool_size,
+                          application_name=f"agent-inbox-{args.command}", **options)
+    if args.metrics_port:
+        from agent_inbox import metrics
+
+        metrics.serve(args.metrics_port, inbox.pool)
+    return inbox
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
@@ -100,6 +105,8 @@ def _service_parser(commands, name: str, help_text: str, poll_default: float):
                         help=f"seconds between polls when no notification comes (default {poll_default})")
     parser.add_argument("--log-level", default=env_default("log-level", "info"),
                         choices=["debug", "info", "warning", "error"])
+    parser.add_argument("--metrics-port", type=int, default=env_default("metrics-port", 0),
+                        help="serve Prometheus metrics on this port (default: off)")
     return parser
 
 

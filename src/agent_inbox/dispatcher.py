@@ -12,7 +12,7 @@ transaction that sent them.
 
 import logging
 
-from agent_inbox import db, errors
+from agent_inbox import db, errors, metrics
 from agent_inbox.inbox import Inbox
 from agent_inbox.service import Listener, Stop, Waker, serve
 from agent_inbox.store import notify, outbox
@@ -49,6 +49,8 @@ class Dispatcher:
                 log.warning("send failed user=%s: %s", user, exc)
                 continue
             if sent:
+                metrics.SENDS.inc()
+                metrics.MESSAGES_SENT.inc(sent)
                 log.info("sent user=%s messages=%d", user, sent)
         return 0.0 if len(users) == USERS_PER_PASS else None
 

@@ -14,7 +14,7 @@ from typing import Any
 from dataclasses import dataclass
 
 from agent_inbox import cron as cron_schedule
-from agent_inbox import db, errors, validate
+from agent_inbox import db, errors, metrics, validate
 from agent_inbox.records import ClaimPolicy, Event, OutboxMessage, Timer
 from agent_inbox.result import ApprovalRequest, Message, Result, TimerRequest
 from agent_inbox.schema import EVENT_STATUSES
@@ -36,6 +36,7 @@ class Run:
     gen: int
     claimed_at: int
     events: list[Event]
+    died: int = 0  # events this claim parked as dead (out of attempts)
 
 
 class Inbox:
@@ -97,7 +98,9 @@ class Inbox:
         source_id = validate.text("source_id", source_id)
         encoded = validate.payload("payload", payload, self.max_payload_bytes)
         with db.connection(self._pool) as conn:
-            return inbox.insert(conn, user, source, source_id, encoded)
+            stored = inbox.insert(conn, user, source, source_id, encoded)
+        metrics.count_ingested(source, stored)
+        return stored
 
     def ingest_many(self, events: Iterable[tuple[str, str, str, Any]]) -> list[bool]:
         """Store many events (user, source, source_id, payload) in one transaction;
@@ -123,7 +126,10 @@ class Inbox:
                 stored += inbox.insert_many(conn, rows[start:start + INGEST_CHUNK])
             return stored
 
-        return db.in_transaction(self._pool, insert_all)
+        stored = db.in_transaction(self._pool, insert_all)
+        for (_, source, _, _), was_stored in zip(rows, stored):
+            metrics.count_ingested(source, was_stored)
+        return stored
 
     def events(self, user: str, *, status: str | None = None) -> list[Event]:
         """A user's events, ordered by id; for operators and tests."""
@@ -264,8 +270,8 @@ class Inbox:
     def _as_run(holder: str | None, taken) -> Run | None:
         if taken is None:
             return None
-        user, gen, claimed_at, events = taken
-        return Run(user, holder, gen, claimed_at, events)
+        user, gen, claimed_at, died, events = taken
+        return Run(user, holder, gen, claimed_at, events, died)
 
     def _message(self, message) -> tuple[str, bool]:
         if isinstance(message, Message):
@@ -350,14 +356,18 @@ class Inbox:
         fired. Safe to run as many copies at once as you like."""
         now = validate.optional_epoch("now", now)
         fired_total = 0
+        skipped_total = 0
         with db.connection(self._pool) as conn:
             for fire in (timers.fire_due, timers.fire_due_cron):
                 while True:
                     with conn.transaction():
-                        fired = fire(conn, now, SCHEDULER_BATCH)
+                        fired, skipped = fire(conn, now, SCHEDULER_BATCH)
                     fired_total += fired
+                    skipped_total += skipped
                     if fired < SCHEDULER_BATCH:
                         break
+        metrics.TIMERS_FIRED.inc(fired_total)
+        metrics.OCCURRENCES_SKIPPED.inc(skipped_total)
         return fired_total
 
     def request_approval(self, user: str, request_id: str, *, expires_in: int, action: Any,

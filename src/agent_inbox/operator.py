@@ -253,18 +253,20 @@ def cmd_dead_list(args: argparse.Namespace, name: str) -> int:
 
 @_command("dead-requeue")
 def cmd_dead_requeue(args: argparse.Namespace, name: str) -> int:
-    return _repair(args, name, "requeue", "requeued",
+    return _repair(args, name, "requeue", "requeued", "(attempts 0, claimable now)",
                    lambda conn, pairs: admin.requeue(conn, pairs, args.now))
 
 
 @_command("dead-discard")
 def cmd_dead_discard(args: argparse.Namespace, name: str) -> int:
-    return _repair(args, name, "discard", "discarded", admin.discard)
+    return _repair(args, name, "discard", "discarded", "(their keys can be stored again)",
+                   admin.discard)
 
 
-def _repair(args: argparse.Namespace, name: str, verb: str, done_word: str, apply) -> int:
-    """Resolve the ids to users, then apply `verb` to dead ones, CHUNK ids per
-    transaction; each chunk is audited on stderr once committed."""
+def _repair(args: argparse.Namespace, name: str, verb: str, done_word: str, note: str,
+            apply) -> int:
+    """Resolve the ids to users, then apply `verb` to the dead ones, CHUNK ids
+    per transaction; each chunk is audited on stderr once committed."""
     ids = sorted(set(args.ids))
     done: list[dict] = []
     with _opened(args, name) as inbox:
@@ -281,24 +283,17 @@ def _repair(args: argparse.Namespace, name: str, verb: str, done_word: str, appl
                       f"{len(done)} {done_word}", file=sys.stderr, flush=True)
     done_ids = {row["id"] for row in done}
     left = [_left_alone(i, found.get(i), args.user) for i in ids if i not in done_ids]
-    key = "not_" + done_word
-    if verb == "requeue":
-        headers = ["user", "id", "source", "source_id", "previous attempts", "previous error"]
-        rows = [[r["user"], r["id"], r["source"], r["source_id"], r["previous_attempts"],
-                 r["previous_error"]] for r in done]
-        title = f"{done_word} {len(done)} dead events (attempts 0, claimable now):"
-    else:
-        headers = ["user", "id", "source", "source_id", "attempts", "error"]
-        rows = [[r["user"], r["id"], r["source"], r["source_id"], r["attempts"], r["error"]]
-                for r in done]
-        title = f"{done_word} {len(done)} dead events (their keys can be stored again):"
-    lines = [title, format_table(headers, rows)] if done else []
+    lines = []
+    if done:
+        lines += [f"{done_word} {len(done)} dead events {note}:",
+                  format_table(list(done[0]), [list(row.values()) for row in done])]
     if left:
         lines += [f"not {done_word} (left alone):",
                   format_table(["id", "user", "reason"],
                                [[x["id"], x["user"], x["reason"]] for x in left])]
     lines.append(f"{done_word} {len(done)} of {len(ids)} ids; {len(left)} not {done_word}")
-    _emit(args, {"requested": len(ids), done_word: done, key: left}, "\n".join(lines))
+    _emit(args, {"requested": len(ids), done_word: done, f"not_{done_word}": left},
+          "\n".join(lines))
     return EXIT_NOT_ALL if left else 0
 
 

@@ -22,7 +22,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-from agent_inbox import errors, handler
+from agent_inbox import errors, handler, metrics
 from agent_inbox.handler import Context
 from agent_inbox.inbox import Inbox, Run
 from agent_inbox.result import Result
@@ -78,10 +78,16 @@ class Worker:
         active = ActiveRun(run, Context(run.user, run.holder, run.gen), threading.Event(), started)
         log.info("lease taken user=%s holder=%s gen=%s events=%d",
                  run.user, run.holder, run.gen, len(run.events))
+        metrics.RUNS.inc()
+        metrics.CLAIMED.inc(len(run.events))
+        if run.died:
+            metrics.DEAD.inc(run.died)
+            log.warning("events dead user=%s gen=%s count=%d", run.user, run.gen, run.died)
         with self._lock:
             self._active[run.holder] = active
         try:
-            result = self._execute(active)
+            with metrics.RUN_SECONDS.time():
+                result = self._execute(active)
             accepted = result is not None and self._finish(active, result, slot, now)
         finally:
             with self._lock:
@@ -121,6 +127,7 @@ class Worker:
                 log.error("handler result rejected user=%s gen=%s: %s", run.user, run.gen, exc)
                 result = Result(error=f"invalid handler result: {exc}")
                 continue
+            metrics.FINISHES.labels("accepted" if accepted else "refused").inc()
             if accepted:
                 log.info("finished user=%s holder=%s gen=%s events=%d error=%s", run.user,
                          run.holder, run.gen, len(run.events), result.error is not None)
@@ -130,6 +137,7 @@ class Worker:
             return accepted
         log.warning("lease lost user=%s holder=%s gen=%s: nothing committed",
                     run.user, run.holder, run.gen)
+        metrics.FINISHES.labels("lease_lost").inc()
         return False
 
     # --- renewal ------------------------------------------------------------------
@@ -150,6 +158,7 @@ class Worker:
             elif renewed is False or started - active.lease_started > self.inbox.lease_ttl:
                 log.warning("lease lost user=%s holder=%s gen=%s (renewal %s)", run.user,
                             run.holder, run.gen, "refused" if renewed is False else "failed")
+                metrics.RENEWALS_FAILED.inc()
                 active.ctx.lease_lost.set()
                 active.wake.set()
 

@@ -1,67 +1,13 @@
 """The services as users run them: separate processes, real signals, a real
 PostgreSQL. Every wait is on database state (or a process exit), bounded."""
 
-import os
 import signal
-import subprocess
-import sys
-import time
 
 import psycopg
-import pytest
 
 from agent_inbox import Inbox, migrate, pgserver
 
-H = "tests.runtime.handlers"
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
-def wait_until(query_result, description, timeout=20.0):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = query_result()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {description}")
-        time.sleep(0.05)
-
-
-def scalar(url, sql, *params):
-    with psycopg.connect(url, autocommit=True) as conn:
-        return conn.execute(sql, params).fetchone()[0]
-
-
-def read_until(process, text):
-    """Read the process's log lines until one contains `text` (or it exits)."""
-    for line in process.stdout:
-        if text in line:
-            return
-    raise AssertionError(f"the process exited without logging {text!r}")
-
-
-@pytest.fixture
-def spawn():
-    """Start `agent-inbox ...` processes; kill whatever is left at teardown."""
-    started = []
-
-    def start(*args):
-        process = subprocess.Popen([sys.executable, "-m", "agent_inbox.cli", *args], cwd=ROOT,
-                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        started.append(process)
-        return process
-
-    yield start
-    for process in started:
-        if process.poll() is None:
-            process.kill()
-        process.wait(timeout=10)
-        process.stdout.close()
-
-
-def worker_args(url, handler, *extra):
-    return ["worker", "--database-url", url, "--handler", f"{H}:{handler}", "--log-level", "info",
-            *extra]
+from tests.runtime.support import H, read_until, scalar, wait_until, worker_args
 
 
 def test_services_refuse_a_schema_not_at_head(empty_database_url, spawn):

@@ -56,10 +56,24 @@ def add_parser(commands) -> argparse.ArgumentParser:
     return parser
 
 
+def _open_inbox(args: argparse.Namespace, pool_size: int, **options):
+    """Logging, the schema check (refuse to start on a schema not at head), the
+    pool: what cli._open_service_inbox does, kept here because that helper is
+    private to cli.py's own services and grows their options."""
+    from agent_inbox import Inbox, migrate
+
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    if not args.database_url:
+        raise errors.InvalidInput("--database-url", None, "is required (or AGENT_INBOX_DATABASE_URL)")
+    migrate.require_head(args.database_url)
+    return Inbox.connect(args.database_url, pool_size=pool_size,
+                         application_name="agent-inbox-ingest-server", **options)
+
+
 def cmd_ingest_server(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from agent_inbox.cli import _open_service_inbox
     from agent_inbox.ingest.app import build_app
     from agent_inbox.ingest.secrets import SecretStore
     from agent_inbox.service import Stop
@@ -76,7 +90,7 @@ def cmd_ingest_server(args: argparse.Namespace) -> int:
     stop = Stop().install()  # uvicorn takes SIGTERM/SIGINT over while it serves
     secrets.install_sighup()  # from here on, SIGHUP reloads instead of killing the process
     try:
-        with _open_service_inbox(args, pool_size, max_payload_bytes=max_body) as inbox:
+        with _open_inbox(args, pool_size, max_payload_bytes=max_body) as inbox:
             log.info("secrets loaded from %s", secrets.describe())
             app = build_app(inbox, secrets, max_body, tolerance, threads=pool_size)
             server = uvicorn.Server(uvicorn.Config(

@@ -148,7 +148,8 @@ WITH clock AS (
 ), run AS (
     SELECT took.user_id, took.gen, clock.now FROM took, clock
 ), {CLAIM_STEPS}
-SELECT run.user_id, run.gen, run.now, claimed.*
+SELECT run.user_id, run.gen, run.now,
+       (SELECT count(*) FROM changed WHERE status = 'dead') AS died, claimed.*
   FROM run LEFT JOIN claimed ON true
  ORDER BY claimed.id
 """
@@ -164,14 +165,15 @@ def take_work(conn, holder: str, ttl: int, policy: ClaimPolicy, now: int | None)
 
 
 def read_taken(cursor):
-    """(user, gen, claimed_at, events) for the user taken, or None if no user
-    has claimable work whose lease is free."""
+    """(user, gen, claimed_at, died, events) for the user taken, or None if no
+    user has claimable work whose lease is free; `died` counts the events this
+    claim parked as dead."""
     rows = cursor.fetchall()
     if not rows:
         return None
-    user, gen, claimed_at = rows[0][:3]
-    events = [Event(*row[3:]) for row in rows if row[3] is not None]
-    return user, gen, claimed_at, events
+    user, gen, claimed_at, died = rows[0][:4]
+    events = [Event(*row[4:]) for row in rows if row[4] is not None]
+    return user, gen, claimed_at, died, events
 
 
 # Invariant 3: the outcome is written only if this holder holds this generation,

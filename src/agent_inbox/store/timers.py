@@ -96,12 +96,17 @@ WITH clock AS (
       FROM latest l
      WHERE t.user_id = l.user_id AND t.timer_id = l.timer_id
 )
-SELECT count(*) FROM latest
+SELECT count(*),
+       coalesce(sum(CASE WHEN missed = 'coalesce' THEN skipped
+                         ELSE greatest(0, skipped + 1 - catch_up_limit) END), 0)
+  FROM latest
 """
 
 
-def fire_due(conn, now: int | None, limit: int) -> int:
-    return conn.execute(FIRE_DUE, {"now": now, "limit": limit}).fetchone()[0]
+def fire_due(conn, now: int | None, limit: int) -> tuple[int, int]:
+    """(timers fired, occurrences skipped: coalesced or over the catch-up limit)."""
+    fired, skipped = conn.execute(FIRE_DUE, {"now": now, "limit": limit}).fetchone()
+    return fired, int(skipped)
 
 
 # Spans users (the scheduler's scan): due cron timers, taken as FIRE_DUE takes
@@ -139,9 +144,10 @@ def _occurrences(schedule: cron.Schedule, first: int, until: int, keep: int) -> 
     return list(kept), total
 
 
-def fire_due_cron(conn, now: int | None, limit: int) -> int:
-    """Fire one batch of due cron timers, in the caller's transaction."""
+def fire_due_cron(conn, now: int | None, limit: int) -> tuple[int, int]:
+    """Fire one batch of due cron timers, in the caller's transaction; as fire_due."""
     ripe = conn.execute(RIPE_CRON, {"now": now, "limit": limit}).fetchall()
+    skipped = 0
     for user, timer_id, due, expression, zone, missed, cap, payload, now_db in ripe:
         schedule = cron.parse(expression, zone)
         emitted, total = _occurrences(schedule, due, now_db, 1 if missed == "coalesce" else cap)
@@ -156,7 +162,8 @@ def fire_due_cron(conn, now: int | None, limit: int) -> int:
         inbox.insert_many(conn, rows)
         conn.execute(ADVANCE_CRON, {"user": user, "timer_id": timer_id,
                                     "due": schedule.next_after(now_db)})
-    return len(ripe)
+        skipped += total - len(emitted)
+    return len(ripe), skipped
 
 
 # Spans users (the scheduler's sleep): seconds until the next timer is due.

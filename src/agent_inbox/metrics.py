@@ -1,0 +1,67 @@
+"""Prometheus metrics for every service (`--metrics-port`).
+
+Counters and histograms live in this process and are updated where things
+happen; `inbox depth` (events by status, across users) is read from the database
+when scraped, by a cross-user query that runs only then.
+"""
+
+import logging
+
+from prometheus_client import REGISTRY, Counter, Histogram, start_http_server
+from prometheus_client.core import GaugeMetricFamily
+
+from agent_inbox import db, errors
+
+log = logging.getLogger("agent_inbox.metrics")
+
+INGESTED = Counter("agent_inbox_events_ingested_total", "Events stored", ["source"])
+DUPLICATES = Counter("agent_inbox_events_duplicate_total", "Redeliveries dropped", ["source"])
+CLAIMED = Counter("agent_inbox_events_claimed_total", "Events claimed by a run")
+RUNS = Counter("agent_inbox_runs_total", "Runs started (each takes a lease over)")
+FINISHES = Counter("agent_inbox_finishes_total", "Fenced finishes", ["outcome"])
+RENEWALS_FAILED = Counter("agent_inbox_lease_renewals_failed_total",
+                          "Lease renewals refused or failed past the TTL")
+DEAD = Counter("agent_inbox_events_dead_total", "Events parked dead (out of attempts)")
+RUN_SECONDS = Histogram("agent_inbox_run_seconds", "Handler run time",
+                        buckets=(0.01, 0.05, 0.1, 0.5, 1, 2, 5, 10, 30, 60, 120, 300, 900))
+TIMERS_FIRED = Counter("agent_inbox_timers_fired_total", "Timers fired")
+OCCURRENCES_SKIPPED = Counter("agent_inbox_timer_occurrences_skipped_total",
+                              "Timer occurrences coalesced or over the catch-up limit")
+SENDS = Counter("agent_inbox_outbox_sends_total", "Batches sent by the dispatcher")
+MESSAGES_SENT = Counter("agent_inbox_outbox_messages_sent_total", "Messages sent")
+
+
+def count_ingested(source: str, stored: bool) -> None:
+    (INGESTED if stored else DUPLICATES).labels(source).inc()
+
+
+# Spans users (an operator view): open and dead events, counted on scrape.
+DEPTH = """
+SELECT status, count(*) FROM events WHERE status IN ('pending', 'running', 'dead') GROUP BY status
+"""
+
+
+class InboxDepth:
+    """Events by status, read from the database when Prometheus scrapes."""
+
+    def __init__(self, pool):
+        self.pool = pool
+
+    def collect(self):
+        family = GaugeMetricFamily("agent_inbox_events", "Events by status", labels=["status"])
+        try:
+            with db.connection(self.pool) as conn:
+                counts = dict(conn.execute(DEPTH).fetchall())
+        except errors.DatabaseUnavailable as exc:
+            log.warning("inbox depth unavailable: %s", exc)
+            return
+        for status in ("pending", "running", "dead"):
+            family.add_metric([status], counts.get(status, 0))
+        yield family
+
+
+def serve(port: int, pool) -> None:
+    """Expose /metrics on `port` (all interfaces), with the inbox depth."""
+    REGISTRY.register(InboxDepth(pool))
+    start_http_server(port)
+    log.info("metrics on :%d/metrics", port)
