@@ -175,3 +175,27 @@ def test_ingest_many_with_one_bad_event_stores_nothing(inbox):
     with pytest.raises(InvalidInput, match=r"events\[1\] source_id must not be empty"):
         inbox.ingest_many([("u", "chat", "a", {}), ("u", "chat", "", {})])
     assert inbox.events("u") == []
+
+
+def test_prune_deletes_old_finished_events_but_keeps_keys_inside_the_dedup_window(inbox, database_url):
+    day = 86400
+    for user in ("a", "b"):
+        for n in range(3):
+            assert inbox.ingest(user, "stripe", f"evt-{n}", {"n": n})
+    inbox.ingest("a", "stripe", "still-pending", {})
+    with psycopg.connect(database_url, autocommit=True) as conn:
+        # evt-0: 30 days old, evt-1: 3 days old, evt-2: today; all done but the pending one
+        conn.execute("UPDATE events SET status = 'done', created_at = %s - "
+                     "CASE source_id WHEN 'evt-0' THEN 30 * 86400 WHEN 'evt-1' THEN 3 * 86400 "
+                     "ELSE 0 END WHERE source_id LIKE 'evt-%%'", (T,))
+    seen = []
+    deleted, compacted = inbox.prune(older_than=day, now=T, users_per_transaction=1,
+                                     progress=lambda *counts: seen.append(counts))
+    assert (deleted, compacted) == (2, 2)        # evt-0 gone; evt-1 emptied; evt-2 too young
+    assert seen[-1] == (2, 2, 2)
+    assert inbox.ingest("a", "stripe", "evt-1", {"n": 1}) is False   # inside the window
+    assert inbox.ingest("a", "stripe", "evt-0", {"n": 0}) is True    # past it: new again
+    by_id = {e.source_id: e for e in inbox.events("b")}
+    assert set(by_id) == {"evt-1", "evt-2"}
+    assert by_id["evt-1"].payload == {"pruned": True} and by_id["evt-2"].payload == {"n": 2}
+    assert [e.status for e in inbox.events("a") if e.source_id == "still-pending"] == ["pending"]

@@ -18,7 +18,7 @@ from agent_inbox import db, errors, metrics, validate
 from agent_inbox.records import ClaimPolicy, Event, OutboxMessage, Timer
 from agent_inbox.result import ApprovalRequest, Message, Result, TimerRequest
 from agent_inbox.schema import EVENT_STATUSES
-from agent_inbox.store import approvals, inbox, lease, outbox, timers
+from agent_inbox.store import approvals, inbox, lease, outbox, retention, timers
 
 DEFAULT_MAX_PAYLOAD_BYTES = 1 << 20
 # Timers fired per scheduler transaction; a pass loops until none are due.
@@ -427,6 +427,34 @@ class Inbox:
             if not at_most_once:
                 outbox.mark_sent(conn, user, batch, now)
             return len(ids)
+
+    def prune(self, *, older_than: int, dedup_window: int = 7 * 86400, include_dead: bool = False,
+              now: int | None = None, progress: Callable[[int, int, int], Any] | None = None,
+              users_per_transaction: int = 200) -> tuple[int, int]:
+        """Delete finished events older than `older_than` seconds, except that an
+        event inside `dedup_window` keeps its row (and key: a redelivery is still a
+        duplicate) and only loses its payload. Dead events too with include_dead.
+        Returns (deleted, compacted); `progress(users, deleted, compacted)` is
+        called after each chunk of users."""
+        older_than = validate.epoch("older_than", older_than)
+        dedup_window = validate.epoch("dedup_window", dedup_window)
+        now = validate.optional_epoch("now", now)
+        statuses = ["done", "dead"] if include_dead else ["done"]
+        deleted = compacted = users_seen = 0
+        last_user = ""
+        with db.connection(self._pool) as conn:
+            while True:
+                with conn.transaction():
+                    users = retention.users_after(conn, last_user, users_per_transaction)
+                    if not users:
+                        return deleted, compacted
+                    gone, emptied = retention.prune_users(
+                        conn, users, older_than=older_than, window=dedup_window,
+                        statuses=statuses, now=now)
+                deleted, compacted = deleted + gone, compacted + emptied
+                users_seen, last_user = users_seen + len(users), users[-1]
+                if progress:
+                    progress(users_seen, deleted, compacted)
 
     def outbox(self, user: str) -> list[OutboxMessage]:
         user = validate.text("user", user)
