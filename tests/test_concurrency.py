@@ -180,14 +180,14 @@ def test_simultaneous_schedulers_fire_each_occurrence_once(database_url, make_in
 def test_concurrent_schedulers_over_many_batches_fire_each_timer_once(
         database_url, make_inbox, inbox, monkeypatch):
     """Four schedulers making many small-batch passes at once: each timer fires exactly once."""
-    monkeypatch.setattr(agent_inbox.inbox, "SCHEDULER_BATCH", 7)
+    monkeypatch.setattr(agent_inbox.scheduling, "SCHEDULER_BATCH", 7)
     batches = []  # timers fired by each batch, across all schedulers
     fire_due = timer_store.fire_due
 
     def counted_fire_due(conn, now, limit):
-        fired = fire_due(conn, now, limit)
+        fired, skipped = fire_due(conn, now, limit)
         batches.append(fired)
-        return fired
+        return fired, skipped
 
     monkeypatch.setattr(timer_store, "fire_due", counted_fire_due)
     expected = arm_timers(inbox, users=100)

@@ -58,9 +58,9 @@ def test_the_scheduler_serves_every_user(inbox):
 
 
 def test_the_scheduler_drains_more_timers_than_one_batch(inbox, monkeypatch):
-    from agent_inbox import inbox as inbox_module
+    from agent_inbox import scheduling
 
-    monkeypatch.setattr(inbox_module, "SCHEDULER_BATCH", 3)
+    monkeypatch.setattr(scheduling, "SCHEDULER_BATCH", 3)
     for n in range(10):
         inbox.add_timer("u", f"t{n}", T - n, {})
     assert inbox.run_scheduler(now=T) == 10

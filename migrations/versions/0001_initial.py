@@ -50,6 +50,8 @@ def upgrade() -> None:
         postgresql_where=sa.text("status IN ('pending', 'running')"),
     )
 
+    op.create_index("ix_events_dead", "events", ["id"], postgresql_where=sa.text("status = 'dead'"))
+
     op.create_table(
         "leases",
         sa.Column("user_id", sa.Text, nullable=False),

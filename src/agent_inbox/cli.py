@@ -9,14 +9,15 @@ import logging
 import os
 import sys
 
-from agent_inbox import errors
+from agent_inbox import errors, operator
+from agent_inbox.ingest import command as ingest_command
 
 
 def env_default(option: str, default=None):
     return os.environ.get("AGENT_INBOX_" + option.upper().replace("-", "_"), default)
 
 
-def _add_database_url(parser: argparse.ArgumentParser, *, required: bool) -> None:
+def add_database_url(parser: argparse.ArgumentParser, *, required: bool) -> None:
     parser.add_argument(
         "--database-url", default=env_default("database-url"),
         help="PostgreSQL URL or libpq connection string (env AGENT_INBOX_DATABASE_URL)"
@@ -43,7 +44,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
-def _open_service_inbox(args: argparse.Namespace, pool_size: int, **options):
+def open_service_inbox(args: argparse.Namespace, pool_size: int, **options):
     """Logging, the schema check (refuse to start on a schema not at head), the pool."""
     from agent_inbox import Inbox, migrate
 
@@ -66,7 +67,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
     from agent_inbox.worker import Worker
 
     stop = Stop().install()
-    with _open_service_inbox(args, args.concurrency + 2, lease_ttl=args.lease_ttl,
+    with open_service_inbox(args, args.concurrency + 2, lease_ttl=args.lease_ttl,
                              max_attempts=args.max_attempts,
                              retry_backoff=args.retry_backoff) as inbox:
         Worker(inbox, args.handler, concurrency=args.concurrency,
@@ -80,7 +81,7 @@ def cmd_scheduler(args: argparse.Namespace) -> int:
     from agent_inbox.service import Stop
 
     stop = Stop().install()
-    with _open_service_inbox(args, 2) as inbox:
+    with open_service_inbox(args, 2) as inbox:
         Scheduler(inbox, poll_interval=args.poll_interval, stop=stop).serve(args.database_url)
     return 0
 
@@ -92,21 +93,26 @@ def cmd_dispatcher(args: argparse.Namespace) -> int:
 
     channel = handler.load(args.channel)
     stop = Stop().install()
-    with _open_service_inbox(args, 2, outbox_gap=args.outbox_gap) as inbox:
+    with open_service_inbox(args, 2, outbox_gap=args.outbox_gap) as inbox:
         Dispatcher(inbox, channel, poll_interval=args.poll_interval,
                    at_most_once=args.at_most_once, stop=stop).serve(args.database_url)
     return 0
 
 
-def _service_parser(commands, name: str, help_text: str, poll_default: float):
-    parser = commands.add_parser(name, help=help_text)
-    _add_database_url(parser, required=True)
-    parser.add_argument("--poll-interval", type=float, default=env_default("poll-interval", poll_default),
-                        help=f"seconds between polls when no notification comes (default {poll_default})")
+def add_service_options(parser: argparse.ArgumentParser) -> None:
+    """--database-url, --log-level and --metrics-port: what every service takes."""
+    add_database_url(parser, required=True)
     parser.add_argument("--log-level", default=env_default("log-level", "info"),
                         choices=["debug", "info", "warning", "error"])
     parser.add_argument("--metrics-port", type=int, default=env_default("metrics-port", 0),
                         help="serve Prometheus metrics on this port (default: off)")
+
+
+def _service_parser(commands, name: str, help_text: str, poll_default: float):
+    parser = commands.add_parser(name, help=help_text)
+    add_service_options(parser)
+    parser.add_argument("--poll-interval", type=float, default=env_default("poll-interval", poll_default),
+                        help=f"seconds between polls when no notification comes (default {poll_default})")
     return parser
 
 
@@ -115,14 +121,14 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
 
     migrate = commands.add_parser("migrate", help="upgrade the schema to the newest revision")
-    _add_database_url(migrate, required=True)
+    add_database_url(migrate, required=True)
     migrate.add_argument("--sql", action="store_true",
                          help="print the SQL instead of running it (no database needed)")
     migrate.add_argument("--revision", default="head", help="target revision (default: head)")
     migrate.set_defaults(run=cmd_migrate)
 
     demo = commands.add_parser("demo", help="run the eight failure scenarios of the reference")
-    _add_database_url(demo, required=False)
+    add_database_url(demo, required=False)
     demo.set_defaults(run=cmd_demo)
 
     worker = _service_parser(commands, "worker", "run handlers for users with work", 1.0)
@@ -155,6 +161,9 @@ def build_parser() -> argparse.ArgumentParser:
                             help="mark a batch sent before sending it (a crash loses it) instead "
                                  "of after (a crash resends it, under the same key)")
     dispatcher.set_defaults(run=cmd_dispatcher)
+
+    ingest_command.add_parser(commands)
+    operator.add_parsers(commands)
     return parser
 
 

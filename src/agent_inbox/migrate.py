@@ -38,11 +38,14 @@ def _config(connection=None, url: str | None = None) -> Config:
 @contextlib.contextmanager
 def _connection(url: str):
     engine = sa.create_engine(
-        "postgresql+psycopg://", creator=lambda: psycopg.connect(url), poolclass=sa.NullPool
+        "postgresql+psycopg://", creator=lambda: psycopg.connect(url, connect_timeout=10),
+        poolclass=sa.NullPool
     )
     try:
         with engine.begin() as connection:
             yield connection
+    except sa.exc.OperationalError as exc:
+        raise errors.DatabaseUnavailable(f"could not reach the database: {exc.orig}") from None
     finally:
         engine.dispose()
 

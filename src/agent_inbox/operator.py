@@ -71,7 +71,7 @@ def _epoch(value: str) -> int:
 def _parser(commands, name: str, help_text: str, description: str | None = None):
     parser = commands.add_parser(name, help=help_text, description=description or help_text,
                                  epilog=__doc__.split("\n\n")[-1].strip())
-    cli._add_database_url(parser, required=True)
+    cli.add_database_url(parser, required=True)
     parser.add_argument("--json", action="store_true",
                         help="print one JSON document on stdout (for scripts)")
     return parser
@@ -172,17 +172,12 @@ def _command(name: str):
 @contextlib.contextmanager
 def _opened(args: argparse.Namespace, name: str):
     """The schema check (refuse a schema not at head), then an Inbox on one connection."""
-    import sqlalchemy
-
     from agent_inbox import Inbox, migrate
 
     if not args.database_url:
-        raise errors.InvalidInput("--database-url", None, "is required (or AGENT_INBOX_DATABASE_URL)")
-    try:
-        migrate.require_head(args.database_url)
-    except sqlalchemy.exc.DBAPIError as exc:  # the check connects through SQLAlchemy
-        raise errors.DatabaseUnavailable(
-            f"could not use the database: {str(exc.orig).strip()}") from exc
+        raise errors.InvalidInput("--database-url", None,
+                                  "is required (or AGENT_INBOX_DATABASE_URL)")
+    migrate.require_head(args.database_url)
     with Inbox.connect(args.database_url, pool_size=1,
                        application_name=f"agent-inbox-{name}") as inbox:
         yield inbox
@@ -318,9 +313,11 @@ def _audit(action: str, rows: list[dict]) -> None:
         who = "unknown"
     stamp = f"by {who}@{socket.gethostname()} at {_when(int(time.time()))}"
     for row in rows:
-        before = (f"previous attempts={row['previous_attempts']} previous error={row['previous_error']!r}"
-                  if "previous_attempts" in row else
-                  f"attempts={row['attempts']} error={row['error']!r}")
+        if "previous_attempts" in row:
+            before = (f"previous attempts={row['previous_attempts']} "
+                      f"previous error={row['previous_error']!r}")
+        else:
+            before = f"attempts={row['attempts']} error={row['error']!r}"
         print(f"agent-inbox audit: {action} {stamp}: user={row['user']!r} id={row['id']} "
               f"source={row['source']!r} source_id={row['source_id']!r} {before}",
               file=sys.stderr, flush=True)
@@ -332,7 +329,7 @@ def _audit(action: str, rows: list[dict]) -> None:
 def cmd_timers(args: argparse.Namespace, name: str) -> int:
     with _opened(args, name) as inbox, db.connection(inbox.pool) as conn:
         found, total = admin.timers(conn, args.user, args.limit, args.now)
-    rows = [[t["timer_id"], _when(t["due"]), _duration(t["every"]) if t["every"] else None,
+    rows = [[t["timer_id"], _when(t["due"]), _repeats(t),
              "/".join(t["key"]) if t["key"] else None, "yes" if t["done"] else "no",
              None if t["done"] else _relative(t["due_in"])] for t in found]
     text = (format_table(["timer", "due", "every", "key", "done", "next due"], rows)
@@ -341,6 +338,13 @@ def cmd_timers(args: argparse.Namespace, name: str) -> int:
         text += f"\n(showing {len(found)} of {total} timers: --limit)"
     _emit(args, {"user": args.user, "total": total, "timers": found}, text)
     return 0
+
+
+def _repeats(timer: dict) -> str | None:
+    """'1d', or the cron expression and its zone; None for a one-off."""
+    if timer["cron"]:
+        return f"cron {timer['cron']} ({timer['timezone']})"
+    return _duration(timer["every"]) if timer["every"] else None
 
 
 @_command("approve")
@@ -393,7 +397,11 @@ def _cell(value) -> str:
 
 
 def _when(epoch: int) -> str:
-    return datetime.datetime.fromtimestamp(epoch, datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    try:
+        moment = datetime.datetime.fromtimestamp(epoch, datetime.timezone.utc)
+    except (OverflowError, OSError, ValueError):  # past year 9999
+        return str(epoch)
+    return moment.strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def _duration(seconds: int) -> str:

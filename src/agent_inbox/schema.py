@@ -66,6 +66,10 @@ sa.Index(
     postgresql_where=sa.text("status IN ('pending', 'running')"),
 )
 
+# Operators' views of dead events across users (dead list, status); small, as
+# dead events are few.
+sa.Index("ix_events_dead", events.c.id, postgresql_where=sa.text("status = 'dead'"))
+
 leases = sa.Table(
     "leases",
     metadata,

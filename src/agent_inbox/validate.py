@@ -25,6 +25,10 @@ def text(field: str, value: object) -> str:
         raise errors.InvalidInput(field, value, "must not be empty")
     if "\x00" in value:
         raise errors.InvalidInput(field, value, "must not contain NUL characters")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise errors.InvalidInput(field, value, "contains a lone surrogate (not valid Unicode)") from None
     return value
 
 
@@ -71,7 +75,10 @@ def payload(field: str, value: object, limit: int) -> str:
         raise errors.InvalidPayload(field, value, f"is not JSON-serialisable: {exc}") from None
     if "\\u0000" in encoded:
         raise errors.InvalidPayload(field, value, "must not contain the NUL character")
-    size = len(encoded.encode("utf-8"))
+    try:
+        size = len(encoded.encode("utf-8"))
+    except UnicodeEncodeError:
+        raise errors.InvalidPayload(field, value, "contains a lone surrogate (not valid Unicode)") from None
     if size > limit:
         raise errors.PayloadTooLarge(
             field, f"<{size} bytes>", f"is {size} bytes as JSON, over the limit of {limit}"

@@ -8,7 +8,7 @@ logged: secrets come only from the file, never from the command line.
 
 Wired into cli.py with `ingest.command.add_parser(commands)`; `args.run(args)`
 returns the exit code, and errors.AgentInboxError is reported by cli.main
-(exit 2).
+(exit 2). It takes the options every service takes (--metrics-port too).
 """
 
 import argparse
@@ -28,11 +28,11 @@ def add_parser(commands) -> argparse.ArgumentParser:
     """Add `ingest-server` to an argparse subparsers object; sets run=cmd_ingest_server."""
     # Imported here, not at the top: cli.py imports this module, at whatever
     # point of its own loading the lead chooses.
-    from agent_inbox.cli import _add_database_url, env_default
+    from agent_inbox.cli import add_service_options, env_default
 
     parser = commands.add_parser(
         "ingest-server", help="receive signed webhooks (GitHub, Stripe, generic) into users' inboxes")
-    _add_database_url(parser, required=True)
+    add_service_options(parser)
     parser.add_argument("--host", default=env_default("host", DEFAULT_HOST),
                         help=f"address to listen on (default {DEFAULT_HOST})")
     parser.add_argument("--port", type=int, default=env_default("port", DEFAULT_PORT),
@@ -50,29 +50,14 @@ def add_parser(commands) -> argparse.ArgumentParser:
     parser.add_argument("--pool-size", type=int, default=env_default("pool-size", DEFAULT_POOL_SIZE),
                         help="database connections, and threads running ingests "
                              f"(default {DEFAULT_POOL_SIZE})")
-    parser.add_argument("--log-level", default=env_default("log-level", "info"),
-                        choices=["debug", "info", "warning", "error"])
     parser.set_defaults(run=cmd_ingest_server, command="ingest-server")
     return parser
 
 
-def _open_inbox(args: argparse.Namespace, pool_size: int, **options):
-    """Logging, the schema check (refuse to start on a schema not at head), the
-    pool: what cli._open_service_inbox does, kept here because that helper is
-    private to cli.py's own services and grows their options."""
-    from agent_inbox import Inbox, migrate
-
-    logging.basicConfig(level=args.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s %(message)s")
-    if not args.database_url:
-        raise errors.InvalidInput("--database-url", None, "is required (or AGENT_INBOX_DATABASE_URL)")
-    migrate.require_head(args.database_url)
-    return Inbox.connect(args.database_url, pool_size=pool_size,
-                         application_name="agent-inbox-ingest-server", **options)
-
-
 def cmd_ingest_server(args: argparse.Namespace) -> int:
     import uvicorn
+
+    from agent_inbox.cli import open_service_inbox
 
     from agent_inbox.ingest.app import build_app
     from agent_inbox.ingest.secrets import SecretStore
@@ -90,7 +75,7 @@ def cmd_ingest_server(args: argparse.Namespace) -> int:
     stop = Stop().install()  # uvicorn takes SIGTERM/SIGINT over while it serves
     secrets.install_sighup()  # from here on, SIGHUP reloads instead of killing the process
     try:
-        with _open_inbox(args, pool_size, max_payload_bytes=max_body) as inbox:
+        with open_service_inbox(args, pool_size, max_payload_bytes=max_body) as inbox:
             log.info("secrets loaded from %s", secrets.describe())
             app = build_app(inbox, secrets, max_body, tolerance, threads=pool_size)
             server = uvicorn.Server(uvicorn.Config(

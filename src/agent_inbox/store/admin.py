@@ -213,7 +213,8 @@ TIMERS = f"""
 WITH clock AS (
     SELECT {NOW} AS now
 )
-SELECT t.timer_id, t.due, t.every, t.event_source, t.event_source_id, t.done, t.payload,
+SELECT t.timer_id, t.due, t.every, t.cron, t.timezone, t.missed, t.catch_up_limit,
+       t.event_source, t.event_source_id, t.done, t.payload,
        t.due - clock.now AS due_in, count(*) OVER () AS total
   FROM timers t, clock
  WHERE t.user_id = %(user)s

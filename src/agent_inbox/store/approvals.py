@@ -41,6 +41,9 @@ SELECT payload->>'answer' FROM events
 def answer(conn, user: str, request_id: str, answer: str, now: int | None) -> str:
     params = {"user": user, "request_id": request_id, "answer": answer, "now": now,
               "timer_id": expiry_timer_id(request_id)}
-    if not conn.execute(ANSWER, params).fetchone()[0]:
-        return "unknown"
-    return conn.execute(STANDING, params).fetchone()[0]
+    while True:
+        if not conn.execute(ANSWER, params).fetchone()[0]:
+            return "unknown"
+        standing = conn.execute(STANDING, params).fetchone()
+        if standing is not None:  # else an operator deleted it in between: store again
+            return standing[0]
