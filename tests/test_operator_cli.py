@@ -357,6 +357,20 @@ def test_approve_shows_the_standing_answer(capsys, database_url, inbox):
     assert [e.payload["answer"] for e in inbox.events("u")] == ["yes", "expired"]
 
 
+def test_prune_deletes_old_done_events_and_keeps_recent_keys(capsys, database_url, inbox):
+    ingest(inbox, "u", "old", "recent", "fresh")
+    with psycopg.connect(database_url, autocommit=True) as conn:
+        conn.execute("UPDATE events SET status = 'done', created_at = CASE source_id "
+                     "WHEN 'old' THEN 1000000 - 30 * 86400 WHEN 'recent' THEN 1000000 - 3 * 86400 "
+                     "ELSE 1000000 END")
+    code, out, err = run_cli(capsys, database_url, "prune", "--older-than", "1d", "--now", "1000000")
+    assert code == 0, err
+    assert out.strip() == "deleted 1 events; emptied 1 inside the dedup window (keys kept)"
+    assert "prune: 1 users, 1 deleted, 1 emptied" in err
+    assert [e.source_id for e in inbox.events("u")] == ["recent", "fresh"]
+    assert inbox.ingest("u", "chat", "recent", {}) is False
+
+
 BAD_INPUT = {
     "unknown status": (["events", "--user", "alice", "--status", "lost"], "invalid choice: 'lost'"),
     "empty user": (["events", "--user", ""], "argument --user: must not be empty"),
@@ -372,6 +386,8 @@ BAD_INPUT = {
     "bad answer": (["approve", "u", "deploy", "maybe"], "invalid choice: 'maybe'"),
     "empty request": (["approve", "u", "", "yes"], "must not be empty"),
     "unknown dead subcommand": (["dead", "purge", "1"], "invalid choice: 'purge'"),
+    "bad duration": (["prune", "--older-than", "soon"], "'soon' is not a duration"),
+    "no duration": (["prune"], "the following arguments are required: --older-than"),
 }
 
 

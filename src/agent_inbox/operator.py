@@ -11,7 +11,6 @@ database (nothing changed); 3 `approve` named a request never made.
 
 import argparse
 import contextlib
-import datetime
 import functools
 import getpass
 import json
@@ -20,7 +19,7 @@ import socket
 import sys
 import time
 
-from agent_inbox import cli, db, errors
+from agent_inbox import cli, db, errors, tables
 from agent_inbox.schema import EVENT_STATUSES
 from agent_inbox.store import admin
 
@@ -30,7 +29,6 @@ log = logging.getLogger(__name__)
 CHUNK = 1000
 DEFAULT_LIMIT = 100
 # Longest text shown in a table cell; --json shows everything.
-MAX_CELL = 60
 _BIGINT_MAX = 2**63 - 1
 
 EXIT_NOT_ALL = 1
@@ -66,6 +64,15 @@ def _epoch(value: str) -> int:
     if not 0 <= number <= _BIGINT_MAX:
         raise argparse.ArgumentTypeError(f"{value!r} is not a time in whole epoch seconds")
     return number
+
+
+def _seconds(value: str) -> int:
+    """A duration: '30d', '12h', '90m', '45s' or plain seconds."""
+    units = {"d": 86400, "h": 3600, "m": 60, "s": 1}
+    number, unit = (value[:-1], value[-1]) if value[-1:] in units else (value, "s")
+    if not number.isdigit():
+        raise argparse.ArgumentTypeError(f"{value!r} is not a duration such as 30d, 12h or 3600")
+    return int(number) * units[unit]
 
 
 def _parser(commands, name: str, help_text: str, description: str | None = None):
@@ -150,6 +157,21 @@ def add_parsers(commands) -> None:
     _add_now(approve)
     approve.set_defaults(run=cmd_approve)
 
+    prune = _parser(
+        commands, "prune", "delete finished events, keeping keys inside the dedup window",
+        "Delete done events created more than --older-than ago. An event still inside the "
+        "dedup window (--dedup-window, default 7d: at least as long as any source may "
+        "redeliver; Stripe retries for 3 days) keeps its row and key, so a redelivery is "
+        "still a duplicate, and only loses its payload. Dead events are kept unless "
+        "--include-dead. Progress goes to stderr.")
+    prune.add_argument("--older-than", type=_seconds, required=True,
+                       help="age such as 30d, 12h, 90m or 3600 (seconds)")
+    prune.add_argument("--dedup-window", type=_seconds, default=7 * 86400,
+                       help="keep keys this long after ingest (default 7d)")
+    prune.add_argument("--include-dead", action="store_true", help="prune dead events too")
+    _add_now(prune)
+    prune.set_defaults(run=cmd_prune)
+
 
 # --- running ------------------------------------------------------------------
 
@@ -198,7 +220,7 @@ def cmd_status(args: argparse.Namespace, name: str) -> int:
     now, users, totals = report["now"], report["users"], report["totals"]
     rows = [[u["user"], u["pending"], u["running"], u["dead"], u["outbox_held"],
              u["lease_holder"], u["lease_gen"] or None, _lease_expiry(u)] for u in users]
-    lines = [format_table(["user", "pending", "running", "dead", "outbox held", "lease holder",
+    lines = [tables.format_table(["user", "pending", "running", "dead", "outbox held", "lease holder",
                            "gen", "lease expires"], rows)] if users else [
         "no user has pending, running or dead events, held messages or a lease"]
     lines.append(f"total: {totals['users']} users, {totals['pending']} pending, "
@@ -213,7 +235,7 @@ def cmd_status(args: argparse.Namespace, name: str) -> int:
 def _lease_expiry(user: dict) -> str | None:
     if not user["lease_gen"]:
         return None  # never held
-    return f"{_relative(user['lease_expires_in'])} ({_when(user['lease_until'])})"
+    return f"{tables.relative(user['lease_expires_in'])} ({tables.when(user['lease_until'])})"
 
 
 @_command("events")
@@ -221,9 +243,9 @@ def cmd_events(args: argparse.Namespace, name: str) -> int:
     with _opened(args, name) as inbox, db.connection(inbox.pool) as conn:
         events, total = admin.events(conn, args.user, args.status, args.limit)
     rows = [[e["id"], e["source"], e["source_id"], e["status"], e["attempts"], e["error"],
-             _when(e["created_at"])] for e in events]
+             tables.when(e["created_at"])] for e in events]
     what = f"{args.status} events" if args.status else "events"
-    text = (format_table(["id", "source", "source_id", "status", "attempts", "error", "created"],
+    text = (tables.format_table(["id", "source", "source_id", "status", "attempts", "error", "created"],
                          rows) if events else f"user {args.user!r} has no {what}")
     if len(events) < total:
         text += f"\n(showing the newest {len(events)} of {total} {what}: --limit)"
@@ -238,7 +260,7 @@ def cmd_dead_list(args: argparse.Namespace, name: str) -> int:
         events, total = admin.dead(conn, args.user, args.limit)
     rows = [[e["user"], e["id"], e["source"], e["source_id"], e["attempts"], e["error"]]
             for e in events]
-    text = (format_table(["user", "id", "source", "source_id", "attempts", "error"], rows)
+    text = (tables.format_table(["user", "id", "source", "source_id", "attempts", "error"], rows)
             if events else "no dead events" + (f" for user {args.user!r}" if args.user else ""))
     if len(events) < total:
         text += f"\n(showing the newest {len(events)} of {total} dead events: --limit)"
@@ -281,10 +303,10 @@ def _repair(args: argparse.Namespace, name: str, verb: str, done_word: str, note
     lines = []
     if done:
         lines += [f"{done_word} {len(done)} dead events {note}:",
-                  format_table(list(done[0]), [list(row.values()) for row in done])]
+                  tables.format_table(list(done[0]), [list(row.values()) for row in done])]
     if left:
         lines += [f"not {done_word} (left alone):",
-                  format_table(["id", "user", "reason"],
+                  tables.format_table(["id", "user", "reason"],
                                [[x["id"], x["user"], x["reason"]] for x in left])]
     lines.append(f"{done_word} {len(done)} of {len(ids)} ids; {len(left)} not {done_word}")
     _emit(args, {"requested": len(ids), done_word: done, f"not_{done_word}": left},
@@ -311,7 +333,7 @@ def _audit(action: str, rows: list[dict]) -> None:
         who = getpass.getuser()
     except Exception:  # no login name in the environment or the password database
         who = "unknown"
-    stamp = f"by {who}@{socket.gethostname()} at {_when(int(time.time()))}"
+    stamp = f"by {who}@{socket.gethostname()} at {tables.when(int(time.time()))}"
     for row in rows:
         if "previous_attempts" in row:
             before = (f"previous attempts={row['previous_attempts']} "
@@ -329,10 +351,10 @@ def _audit(action: str, rows: list[dict]) -> None:
 def cmd_timers(args: argparse.Namespace, name: str) -> int:
     with _opened(args, name) as inbox, db.connection(inbox.pool) as conn:
         found, total = admin.timers(conn, args.user, args.limit, args.now)
-    rows = [[t["timer_id"], _when(t["due"]), _repeats(t),
+    rows = [[t["timer_id"], tables.when(t["due"]), _repeats(t),
              "/".join(t["key"]) if t["key"] else None, "yes" if t["done"] else "no",
-             None if t["done"] else _relative(t["due_in"])] for t in found]
-    text = (format_table(["timer", "due", "every", "key", "done", "next due"], rows)
+             None if t["done"] else tables.relative(t["due_in"])] for t in found]
+    text = (tables.format_table(["timer", "due", "every", "key", "done", "next due"], rows)
             if found else f"user {args.user!r} has no timers")
     if len(found) < total:
         text += f"\n(showing {len(found)} of {total} timers: --limit)"
@@ -344,7 +366,7 @@ def _repeats(timer: dict) -> str | None:
     """'1d', or the cron expression and its zone; None for a one-off."""
     if timer["cron"]:
         return f"cron {timer['cron']} ({timer['timezone']})"
-    return _duration(timer["every"]) if timer["every"] else None
+    return tables.duration(timer["every"]) if timer["every"] else None
 
 
 @_command("approve")
@@ -365,56 +387,16 @@ def cmd_approve(args: argparse.Namespace, name: str) -> int:
     return EXIT_UNKNOWN if standing == "unknown" else 0
 
 
-# --- formatting ---------------------------------------------------------------
+@_command("prune")
+def cmd_prune(args: argparse.Namespace, name: str) -> int:
+    def progress(users: int, deleted: int, compacted: int) -> None:
+        print(f"prune: {users} users, {deleted} deleted, {compacted} emptied", file=sys.stderr)
 
-
-def format_table(headers: list[str], rows: list[list]) -> str:
-    """Columns padded to their widest cell; numbers right-aligned; None as '-';
-    control characters escaped (cells hold provider data); long text cut."""
-    cells = [[_cell(value) for value in row] for row in rows]
-    widths = [max([len(h)] + [len(r[i]) for r in cells]) for i, h in enumerate(headers)]
-    numeric = [any(_is_number(r[i]) for r in rows)
-               and all(_is_number(r[i]) or r[i] is None for r in rows)
-               for i in range(len(headers))]
-
-    def line(values: list[str]) -> str:
-        return "  ".join(v.rjust(w) if right else v.ljust(w)
-                         for v, w, right in zip(values, widths, numeric)).rstrip()
-
-    return "\n".join([line(headers), line(["-" * w for w in widths])] + [line(r) for r in cells])
-
-
-def _is_number(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _cell(value) -> str:
-    if value is None:
-        return "-"
-    text = str(value)
-    text = "".join(c if c.isprintable() else ascii(c)[1:-1] for c in text)
-    return text if len(text) <= MAX_CELL else text[:MAX_CELL - 3] + "..."
-
-
-def _when(epoch: int) -> str:
-    try:
-        moment = datetime.datetime.fromtimestamp(epoch, datetime.timezone.utc)
-    except (OverflowError, OSError, ValueError):  # past year 9999
-        return str(epoch)
-    return moment.strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
-def _duration(seconds: int) -> str:
-    """'1d 2h', '3m 5s', '45s': the two largest units."""
-    parts = []
-    for unit, size in (("d", 86400), ("h", 3600), ("m", 60), ("s", 1)):
-        if seconds >= size or (unit == "s" and not parts):
-            parts.append(f"{seconds // size}{unit}")
-            seconds %= size
-    return " ".join(parts[:2])
-
-
-def _relative(seconds: int) -> str:
-    if seconds == 0:
-        return "now"
-    return f"in {_duration(seconds)}" if seconds > 0 else f"{_duration(-seconds)} ago"
+    with _opened(args, name) as inbox:
+        deleted, compacted = inbox.prune(older_than=args.older_than,
+                                         dedup_window=args.dedup_window,
+                                         include_dead=args.include_dead, now=args.now,
+                                         progress=progress)
+    _emit(args, {"deleted": deleted, "emptied": compacted},
+          f"deleted {deleted} events; emptied {compacted} inside the dedup window (keys kept)")
+    return 0
