@@ -24,8 +24,8 @@ COMPOSE = ROOT / "docker-compose.yml"
 DOCKERFILE = ROOT / "Dockerfile"
 DOCKERIGNORE = ROOT / ".dockerignore"
 
-APP_SERVICES = ("migrate", "demo", "worker", "scheduler", "dispatcher")
-RUNTIME_SERVICES = ("worker", "scheduler", "dispatcher")
+APP_SERVICES = ("migrate", "demo", "worker", "scheduler", "dispatcher", "ingest-server")
+RUNTIME_SERVICES = ("worker", "scheduler", "dispatcher", "ingest-server")
 URL_VAR = "AGENT_INBOX_DATABASE_URL"
 
 
@@ -382,3 +382,21 @@ def test_workers_run_several_replicas_and_outlast_their_grace(services):
     worker = services["worker"]
     assert worker["deploy"]["replicas"] >= 2
     assert worker["stop_grace_period"] == "40s"
+
+
+@pytest.mark.parametrize("name", RUNTIME_SERVICES)
+def test_runtime_services_have_a_healthcheck_on_a_port_they_serve(services, name):
+    svc = services[name]
+    probe = " ".join(svc["healthcheck"]["test"])
+    env = environment(svc)
+    port = env["AGENT_INBOX_PORT"] if "/healthz" in probe else env["AGENT_INBOX_METRICS_PORT"]
+    assert f"http://127.0.0.1:{port}/" in probe
+
+
+def test_the_ingest_server_reads_its_secrets_from_a_declared_compose_secret(compose, services):
+    svc = services["ingest-server"]
+    [secret] = svc["secrets"]
+    assert environment(svc)["AGENT_INBOX_SECRETS"] == f"/run/secrets/{secret}"
+    source = interpolate(compose["secrets"][secret]["file"])
+    assert (ROOT / source).exists()
+    assert environment(svc)["AGENT_INBOX_HOST"] == "0.0.0.0"
