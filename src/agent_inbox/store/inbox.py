@@ -66,7 +66,9 @@ def insert_many(conn, rows: list[tuple[str, str, str, str]]) -> list[bool]:
 #   else every fresh event (attempts = 0); retries still backing off wait;
 #   attempts + 1, claim_gen, claimed_at and the next retry's available_at
 #   (exponential backoff from this claim, capped, with jitter) are stamped at claim.
-# Rows whose state does not change are not written.
+# Rows whose state does not change are not written. TAKE_WORK locks the lease in
+# the same statement, after its snapshot was taken: the UPDATE re-checks each row
+# against the snapshot's (status, attempts), so a stale row is never claimed.
 CLAIM_STEPS = f"""
 open AS (
     SELECT e.id, e.status, e.attempts,
@@ -77,7 +79,7 @@ open AS (
 ), retry AS (
     SELECT min(id) AS id FROM open WHERE NOT exhausted AND attempts > 0 AND due
 ), plan AS (
-    SELECT o.id, o.status AS old_status,
+    SELECT o.id, o.status AS old_status, o.attempts AS old_attempts,
            CASE WHEN o.exhausted THEN 'dead'
                 WHEN r.id IS NOT NULL AND o.id = r.id THEN 'running'
                 WHEN r.id IS NULL AND o.attempts = 0 THEN 'running'
@@ -98,6 +100,10 @@ open AS (
       FROM plan p, run
      WHERE e.user_id = run.user_id AND e.id = p.id
        AND (p.status <> 'pending' OR p.old_status <> 'pending')
+       -- re-checked on the newest row version: a row another run changed since
+       -- this statement's snapshot (every claim and finish changes its status
+       -- or attempts) is left alone, never claimed again
+       AND e.status = p.old_status AND e.attempts = p.old_attempts
  RETURNING e.*
 ), claimed AS (
     SELECT {EVENT_COLUMNS} FROM changed WHERE status = 'running'
