@@ -33,13 +33,17 @@ def insert(conn, user: str, source: str, source_id: str, payload_json: str) -> b
 
 
 # Invariant 1 for a batch: one statement for many events; a key repeated inside
-# the batch is stored once (its first occurrence), like any redelivery.
+# the batch is stored once (its first occurrence), like any redelivery. Rows go
+# in user order, each user's in arrival order (what its runs see): concurrent
+# batches over the same users take their key locks in one order, so they wait
+# for each other rather than deadlock (unless one user's keys arrive in opposite
+# orders, which the caller retries).
 INSERT_MANY = """
 INSERT INTO events (user_id, source, source_id, payload)
 SELECT b.user_id, b.source, b.source_id, b.payload::jsonb
   FROM unnest(%(users)s::text[], %(sources)s::text[], %(source_ids)s::text[], %(payloads)s::text[])
        WITH ORDINALITY AS b(user_id, source, source_id, payload, n)
- ORDER BY b.n
+ ORDER BY b.user_id, b.n
     ON CONFLICT (user_id, source, source_id) DO NOTHING
 RETURNING user_id, source, source_id
 """
