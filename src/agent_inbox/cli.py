@@ -17,6 +17,11 @@ def env_default(option: str, default=None):
     return os.environ.get("AGENT_INBOX_" + option.upper().replace("-", "_"), default)
 
 
+def env_flag(option: str) -> bool:
+    """A switch's default: AGENT_INBOX_<OPTION> set to anything but '', '0' or 'false'."""
+    return env_default(option, "").lower() not in ("", "0", "false")
+
+
 def add_database_url(parser: argparse.ArgumentParser, *, required: bool) -> None:
     parser.add_argument(
         "--database-url", default=env_default("database-url"),
@@ -144,7 +149,7 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("--grace", type=float, default=env_default("grace", 30.0),
                         help="seconds running handlers get to finish on SIGTERM (default 30)")
     worker.add_argument("--no-isolate-retries", action="store_true",
-                        default=env_default("no-isolate-retries", "") not in ("", "0", "false"),
+                        default=env_flag("no-isolate-retries"),
                         help="run retried events in this process, not in a child process")
     worker.set_defaults(run=cmd_worker)
 
@@ -157,7 +162,7 @@ def build_parser() -> argparse.ArgumentParser:
     dispatcher.add_argument("--outbox-gap", type=int, default=env_default("outbox-gap", 3600),
                             help="seconds between sends to one user (default 3600)")
     dispatcher.add_argument("--at-most-once", action="store_true",
-                            default=env_default("at-most-once", "") not in ("", "0", "false"),
+                            default=env_flag("at-most-once"),
                             help="mark a batch sent before sending it (a crash loses it) instead "
                                  "of after (a crash resends it, under the same key)")
     dispatcher.set_defaults(run=cmd_dispatcher)

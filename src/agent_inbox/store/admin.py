@@ -135,6 +135,18 @@ def resolve(conn, ids: list[int], user: str | None) -> dict[int, tuple[str, str]
     return {event_id: (owner, state) for event_id, owner, state in rows}
 
 
+# The named (user, id) rows that are dead, locked in key order; a row that
+# stopped being dead before the lock was granted drops out on the re-check.
+DEAD_TARGETS = """
+    SELECT e.user_id, e.id, e.attempts, e.error
+      FROM events e
+      JOIN unnest(%(users)s::text[], %(ids)s::bigint[]) AS t(user_id, id)
+        ON e.user_id = t.user_id AND e.id = t.id
+     WHERE e.status = 'dead'
+     ORDER BY e.user_id, e.id
+       FOR UPDATE OF e"""
+
+
 # Repair (the named users' rows, by primary key): dead events become fresh
 # pending ones (attempts 0, error cleared, claimable now). Only rows still dead
 # once locked change, so a row a worker may hold is never written.
@@ -142,13 +154,7 @@ REQUEUE = f"""
 WITH clock AS (
     SELECT {NOW} AS now
 ), target AS (
-    SELECT e.user_id, e.id, e.attempts, e.error
-      FROM events e
-      JOIN unnest(%(users)s::text[], %(ids)s::bigint[]) AS t(user_id, id)
-        ON e.user_id = t.user_id AND e.id = t.id
-     WHERE e.status = 'dead'
-     ORDER BY e.user_id, e.id
-       FOR UPDATE OF e
+{DEAD_TARGETS}
 ), requeued AS (
     UPDATE events e
        SET status = 'pending', attempts = 0, error = NULL, available_at = clock.now
@@ -180,15 +186,9 @@ def requeue(conn, pairs: list[tuple[str, int]], now: int | None) -> list[dict]:
 # Repair (the named users' rows, by primary key): delete dead events, and with
 # them their keys (see the module's note on invariant 1). Only rows still dead
 # once locked are deleted.
-DISCARD = """
+DISCARD = f"""
 WITH target AS (
-    SELECT e.user_id, e.id
-      FROM events e
-      JOIN unnest(%(users)s::text[], %(ids)s::bigint[]) AS t(user_id, id)
-        ON e.user_id = t.user_id AND e.id = t.id
-     WHERE e.status = 'dead'
-     ORDER BY e.user_id, e.id
-       FOR UPDATE OF e
+{DEAD_TARGETS}
 ), discarded AS (
     DELETE FROM events e
      USING target t
