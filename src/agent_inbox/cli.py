@@ -77,7 +77,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
                              retry_backoff=args.retry_backoff) as inbox:
         Worker(inbox, args.handler, concurrency=args.concurrency,
                poll_interval=args.poll_interval, grace=args.grace,
-               isolate_retries=not args.no_isolate_retries, stop=stop).serve(args.database_url)
+               isolation=args.isolation, stop=stop).serve(args.database_url)
     return 0
 
 
@@ -148,9 +148,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="first retry's backoff in seconds, doubling per attempt (default 5)")
     worker.add_argument("--grace", type=float, default=env_default("grace", 30.0),
                         help="seconds running handlers get to finish on SIGTERM (default 30)")
-    worker.add_argument("--no-isolate-retries", action="store_true",
-                        default=env_flag("no-isolate-retries"),
-                        help="run retried events in this process, not in a child process")
+    worker.add_argument("--isolation", choices=("process", "thread"),
+                        default=env_default("isolation", "process"),
+                        help="run each slot's handlers in a process of its own, so a crash "
+                             "kills only that run (default), or in threads of the worker")
     worker.set_defaults(run=cmd_worker)
 
     scheduler = _service_parser(commands, "scheduler", "turn due timers into inbox events", 5.0)

@@ -1,11 +1,15 @@
-"""Running a user's handler for one run: in a thread, or isolated in a child process.
+"""Running a user's handler for one run: in a handler process, or in a thread.
 
 A handler is `handle(batch, ctx)` (or `async def`) returning `Result`, `None`
 (nothing to say) or raising. Whatever it does becomes a `Result`: an exception or
-a wrong return type is `Result(error=...)`. A retried event runs in a child
-process, so an event that crashes its process every time (a poison event) kills
-only that child: the worker and the other users' runs beside it live on, and
-healthy events are parked dead only by crashes of their own.
+a wrong return type is `Result(error=...)`.
+
+Isolation (the default): each worker slot runs its handlers in a long-lived
+process of its own (`HandlerProcess`). An event that crashes its process (a
+poison event) kills only that slot's run: the worker and the other users' runs
+beside it live on, so healthy events are parked dead only by crashes of their
+own. The slot starts a new process and goes on. Thread mode (`run_in_thread`)
+shares the worker's process: cheaper, for handlers that cannot crash it.
 """
 
 import asyncio
@@ -96,39 +100,75 @@ def run_in_thread(handler: Callable, batch: list[Event], ctx: Context, wake: thr
 _SPAWN = multiprocessing.get_context("spawn")
 
 
-def _child_main(reference: str, batch: list[Event], user: str, holder: str, gen: int,
-                lease_lost, conn) -> None:
-    ctx = Context(user=user, holder=holder, gen=gen, lease_lost=lease_lost)
-    conn.send(call(load(reference), batch, ctx))
-    conn.close()
-
-
-def run_in_child(reference: str, batch: list[Event], ctx: Context) -> Result | None:
-    """Run in a fresh child process; a crash of the child is this run's error.
-    None if the lease was lost first (the child is terminated)."""
-    receiver, sender = _SPAWN.Pipe(duplex=False)
-    lost = _SPAWN.Event()
-    child = _SPAWN.Process(target=_child_main, name=f"agent-inbox-handler-{ctx.user}",
-                           args=(reference, batch, ctx.user, ctx.holder, ctx.gen, lost, sender),
-                           daemon=True)
-    child.start()
-    sender.close()
+def _serve_runs(reference: str, conn, lease_lost) -> None:
+    """A handler process's loop: one run per message, until the pipe closes."""
     try:
+        target = load(reference)
+    except errors.AgentInboxError as exc:
+        target, problem = None, str(exc)
+    while True:
+        try:
+            batch, user, holder, gen = conn.recv()
+        except EOFError:
+            return
+        ctx = Context(user=user, holder=holder, gen=gen, lease_lost=lease_lost)
+        conn.send(call(target, batch, ctx) if target else Result(error=problem))
+
+
+class HandlerProcess:
+    """A slot's handler process, started again whenever it dies. `run` is called
+    by the slot's thread only; `stop` may come from another (shutdown)."""
+
+    def __init__(self, reference: str, name: str):
+        self.reference, self.name = reference, name
+        self._guard = threading.Lock()
+        self._process = self._conn = self._lost = None
+
+    def _start(self):
+        conn, child_conn = _SPAWN.Pipe()
+        lost = _SPAWN.Event()
+        process = _SPAWN.Process(target=_serve_runs, name=self.name, daemon=True,
+                                 args=(self.reference, child_conn, lost))
+        process.start()
+        child_conn.close()
+        with self._guard:
+            self._process, self._conn, self._lost = process, conn, lost
+        return process, conn, lost
+
+    def run(self, batch: list[Event], ctx: Context) -> Result | None:
+        """The run's result; a crash of the process is the run's error. None if
+        the lease was lost first (the process is stopped: its answer would be
+        refused by the fence, and it may be stuck)."""
+        with self._guard:
+            current = (self._process, self._conn, self._lost)
+        process, conn, lost = current if current[0] and current[0].is_alive() else self._start()
+        lost.clear()
+        conn.send((batch, ctx.user, ctx.holder, ctx.gen))
         while True:
-            ready = wait_any([receiver, child.sentinel], timeout=0.2)
-            if receiver in ready:
+            ready = wait_any([conn, process.sentinel], timeout=0.2)
+            if conn in ready:
                 try:
-                    return receiver.recv()
-                except EOFError:
-                    pass  # the child died without an answer: its exit code says why
-            if child.sentinel in ready or not child.is_alive():
-                child.join()
-                return Result(error=f"handler process died (exit code {child.exitcode})")
+                    return conn.recv()
+                except (EOFError, OSError):
+                    pass  # it died without an answer: its exit code says why
+            if process.sentinel in ready:
+                process.join()
+                self.stop()
+                return Result(error=f"handler process died (exit code {process.exitcode})")
             if ctx.lease_lost.is_set():
                 lost.set()
+                self.stop()
                 return None
-    finally:
-        if child.is_alive():
-            child.terminate()
-        child.join(timeout=5)
-        receiver.close()
+
+    def stop(self) -> None:
+        with self._guard:
+            process, self._process = self._process, None
+        if process is None:
+            return
+        if process.is_alive():
+            process.terminate()
+        process.join(timeout=5)
+        if process.is_alive():
+            process.kill()
+            process.join()
+        self._conn.close()

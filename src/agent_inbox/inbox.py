@@ -13,10 +13,9 @@ from typing import Any
 
 from agent_inbox import db, errors, metrics, validate
 from agent_inbox.delivery import Delivery
-from agent_inbox.records import ClaimPolicy, Event
+from agent_inbox.records import EVENT_STATUSES, ClaimPolicy, Event
 from agent_inbox.runs import Run, Runs
 from agent_inbox.scheduling import Scheduling
-from agent_inbox.schema import EVENT_STATUSES
 from agent_inbox.store import inbox, lease, retention
 
 __all__ = ["Inbox", "Run"]

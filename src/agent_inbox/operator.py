@@ -20,7 +20,7 @@ import sys
 import time
 
 from agent_inbox import cli, db, errors, tables
-from agent_inbox.schema import EVENT_STATUSES
+from agent_inbox.records import EVENT_STATUSES
 from agent_inbox.store import admin
 
 log = logging.getLogger(__name__)

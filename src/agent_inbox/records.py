@@ -3,6 +3,8 @@
 from dataclasses import dataclass
 from typing import Any
 
+EVENT_STATUSES = ("pending", "running", "done", "dead")
+
 
 @dataclass(frozen=True, slots=True)
 class Event:

@@ -20,7 +20,6 @@ NAMING_CONVENTION = {
     "pk": "pk_%(table_name)s",
 }
 
-EVENT_STATUSES = ("pending", "running", "done", "dead")
 
 DB_CLOCK = sa.text("floor(extract(epoch from clock_timestamp()))::bigint")
 

@@ -8,8 +8,8 @@ one fenced finish that also releases the lease. Invariants kept here:
 
 - a run whose lease was lost commits nothing: `ctx.lease_lost` is set, the
   worker skips the finish (the fence would refuse it anyway) and moves on;
-- a retried event runs in a child process (see handler.py), so a poison event
-  cannot take other users' runs in this process down with it;
+- each slot runs its handlers in a process of its own (see handler.py), so a
+  poison event cannot take other users' runs in this worker down with it;
 - on SIGTERM/SIGINT the slots stop taking work, running handlers get a grace
   period, then their leases are released so another worker takes over at once.
 """
@@ -42,11 +42,12 @@ class ActiveRun:
     ctx: Context
     wake: threading.Event
     lease_started: float  # host monotonic time just before the lease was last extended
+    finishing: bool = False  # the fenced finish has begun: it decides, not renewal
 
 
 class Worker:
     def __init__(self, inbox: Inbox, handler_reference: str, *, concurrency: int = 1,
-                 poll_interval: float = 1.0, grace: float = 30.0, isolate_retries: bool = True,
+                 poll_interval: float = 1.0, grace: float = 30.0, isolation: str = "process",
                  stop: Stop | None = None):
         self.inbox = inbox
         self.reference = handler_reference
@@ -54,7 +55,10 @@ class Worker:
         self.holders = [holder_id(slot) for slot in range(concurrency)]
         self.poll_interval = poll_interval
         self.grace = grace
-        self.isolate_retries = isolate_retries
+        if isolation not in ("process", "thread"):
+            raise errors.InvalidInput("isolation", isolation, "must be 'process' or 'thread'")
+        self.processes = ([handler.HandlerProcess(handler_reference, f"agent-inbox-slot-{n}")
+                           for n in range(concurrency)] if isolation == "process" else None)
         self.stop = stop or Stop()
         self.waker = Waker(concurrency)
         self._active: dict[str, ActiveRun] = {}
@@ -87,25 +91,31 @@ class Worker:
             self._active[run.holder] = active
         try:
             with metrics.RUN_SECONDS.time():
-                result = self._execute(active)
+                result = self._execute(active, slot)
             accepted = result is not None and self._finish(active, result, slot, now)
         finally:
             with self._lock:
                 self._active.pop(run.holder, None)
         return {"runs": 1, "events": len(run.events), "accepted": int(accepted)}
 
-    def _execute(self, active: ActiveRun) -> Result | None:
+    def _execute(self, active: ActiveRun, slot: int) -> Result | None:
         run = active.run
         if not run.events:  # only exhausted events were due: they are dead now
             return Result()
-        if self.isolate_retries and any(e.attempts > 1 for e in run.events):
-            return handler.run_in_child(self.reference, run.events, active.ctx)
+        if self.processes:
+            return self.processes[slot].run(run.events, active.ctx)
         return handler.run_in_thread(self.handler, run.events, active.ctx, active.wake)
+
+    def close(self) -> None:
+        """Stop the slots' handler processes."""
+        for process in self.processes or ():
+            process.stop()
 
     def _finish(self, active: ActiveRun, result: Result, slot: int, now: int | None) -> bool:
         """The fenced finish, retried through database faults while the lease may
         still be valid. Unless stopping, it also takes the slot's next run."""
         run = active.run
+        active.finishing = True
         delays = backoff_delays(cap=5.0)
         while not active.ctx.lease_lost.is_set():
             started = time.monotonic()
@@ -155,6 +165,8 @@ class Worker:
                 renewed = None
             if renewed:
                 active.lease_started = started
+            elif active.finishing:
+                continue  # the finish released the lease, or its fence will refuse
             elif renewed is False or started - active.lease_started > self.inbox.lease_ttl:
                 log.warning("lease lost user=%s holder=%s gen=%s (renewal %s)", run.user,
                             run.holder, run.gen, "refused" if renewed is False else "failed")
@@ -181,6 +193,11 @@ class Worker:
                 log.warning("slot %d: database unavailable (%s); retrying in %.1f s", slot, exc, pause)
                 self.stop.wait(pause)
                 continue
+            except Exception:  # a bug must not silently cost the worker a slot
+                pause = next(delays)
+                log.exception("slot %d: unexpected error; going on in %.1f s", slot, pause)
+                self.stop.wait(pause)
+                continue
             if not counts["runs"]:
                 self.waker.wait(jittered(self.poll_interval))
 
@@ -202,6 +219,7 @@ class Worker:
             thread.join(max(0.0, deadline - time.monotonic()))
         done.set()
         self.release_running()
+        self.close()
 
     def release_running(self) -> None:
         """Release the leases of runs still going: another worker takes over now."""

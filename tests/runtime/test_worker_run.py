@@ -1,6 +1,6 @@
 """One worker run, driven by `run_once`: what the handler returns is what commits,
-all in the fenced finish; failures come back after a backoff; retries run in a
-child process."""
+all in the fenced finish; failures come back after a backoff; handlers run in
+their slot's own process, so a crash kills only that run."""
 
 import os
 
@@ -13,11 +13,21 @@ T = 1_000_000
 TTL = 120
 
 
-def worker(inbox, name, **options):
-    return Worker(inbox, f"{H}:{name}", **options)
+@pytest.fixture
+def worker():
+    """Make Workers (handler processes stopped at teardown)."""
+    made = []
+
+    def make(inbox, name, **options):
+        made.append(Worker(inbox, f"{H}:{name}", **options))
+        return made[-1]
+
+    yield make
+    for w in made:
+        w.close()
 
 
-def test_a_run_commits_messages_timers_and_approvals_together(inbox):
+def test_a_run_commits_messages_timers_and_approvals_together(inbox, worker):
     inbox.ingest("u", "chat", "1", {})
     counts = worker(inbox, "everything").run_once(now=T)
     assert counts == {"runs": 1, "events": 1, "accepted": 1}
@@ -29,7 +39,7 @@ def test_a_run_commits_messages_timers_and_approvals_together(inbox):
     assert [e.status for e in inbox.events("u")] == ["done"]
 
 
-def test_the_lease_is_released_at_finish_and_still_fences(inbox):
+def test_the_lease_is_released_at_finish_and_still_fences(inbox, worker):
     inbox.ingest("u", "chat", "1", {})
     w = worker(inbox, "echo")
     w.run_once(now=T)
@@ -43,7 +53,7 @@ def test_the_lease_is_released_at_finish_and_still_fences(inbox):
     ("wrong_type", "handler returned str, not agent_inbox.Result"),
     ("bad_result", "invalid handler result"),
 ])
-def test_a_failing_handler_puts_its_events_back_for_a_retry(inbox, name, error):
+def test_a_failing_handler_puts_its_events_back_for_a_retry(inbox, worker, name, error):
     inbox.ingest("u", "chat", "1", {})
     counts = worker(inbox, name).run_once(now=T)
     assert counts["accepted"] == 1
@@ -53,13 +63,13 @@ def test_a_failing_handler_puts_its_events_back_for_a_retry(inbox, name, error):
     assert inbox.outbox("u") == []
 
 
-def test_an_async_handler_runs(inbox):
+def test_an_async_handler_runs(inbox, worker):
     inbox.ingest("u", "chat", "1", {})
     worker(inbox, "async_echo").run_once(now=T)
     assert [m.body for m in inbox.outbox("u")] == ["async 1"]
 
 
-def test_a_retry_waits_for_its_backoff_while_fresh_events_go_ahead(make_inbox):
+def test_a_retry_waits_for_its_backoff_while_fresh_events_go_ahead(make_inbox, worker):
     inbox = make_inbox(retry_backoff=60, retry_backoff_cap=600)
     inbox.ingest("u", "chat", "broken", {})
     worker(inbox, "explode").run_once(now=T)           # attempt 1 fails
@@ -74,10 +84,10 @@ def test_a_retry_waits_for_its_backoff_while_fresh_events_go_ahead(make_inbox):
     assert [e.source_id for e in inbox.events("u", status="done")] == ["broken", "fresh"]
 
 
-def test_backoff_doubles_per_attempt_up_to_the_cap(make_inbox):
+def test_backoff_doubles_per_attempt_up_to_the_cap(make_inbox, worker):
     inbox = make_inbox(retry_backoff=10, retry_backoff_cap=25, max_attempts=5)
     inbox.ingest("u", "chat", "broken", {})
-    w = worker(inbox, "explode", isolate_retries=False)
+    w = worker(inbox, "explode", isolation="thread")
     now, delays = T, []
     for _ in range(4):
         assert w.run_once(now=now)["runs"] == 1
@@ -89,14 +99,12 @@ def test_backoff_doubles_per_attempt_up_to_the_cap(make_inbox):
         assert full // 2 <= delay <= full
 
 
-def test_a_retried_poison_event_crashes_only_a_child_process(inbox):
+def test_a_poison_event_crashes_only_its_slots_handler_process(inbox, worker):
     inbox.ingest("u", "chat", "poison", {"poison": True})
-    gen = inbox.acquire("u", "crashed-worker", now=T)
-    inbox.claim_batch("u", "crashed-worker", gen, now=T)   # attempt 1: its worker died
     w = worker(inbox, "crash_process")
-    now = T + TTL + 1
-    for attempt in (2, 3):
-        counts = w.run_once(now=now)                       # this process survives
+    now = T
+    for attempt in (1, 2, 3):
+        counts = w.run_once(now=now)                       # the worker survives each crash
         assert counts == {"runs": 1, "events": 1, "accepted": 1}
         [event] = inbox.events("u")
         assert (event.status, event.attempts) == ("pending", attempt)
@@ -107,17 +115,25 @@ def test_a_retried_poison_event_crashes_only_a_child_process(inbox):
     assert (event.status, event.attempts, event.error) == ("dead", 3, "too many attempts")
 
 
-def test_first_attempts_run_in_the_worker_process_and_retries_in_a_child(inbox):
-    inbox.ingest("u", "chat", "fresh", {})
-    w = worker(inbox, "pid_of_runner")
-    w.run_once(now=T)
-    inbox.ingest("u", "chat", "retry", {})
-    gen = inbox.acquire("u", "crashed", now=T + 1)
-    inbox.claim_batch("u", "crashed", gen, now=T + 1)
-    w.run_once(now=T + 1 + TTL + 1)
-    first, retry = [m.body for m in inbox.outbox("u")]
-    assert first == str(os.getpid())
-    assert retry != str(os.getpid())
+def test_handlers_run_in_the_slots_process_which_is_replaced_after_a_crash(inbox, worker):
+    w = worker(inbox, "pid_of_runner", concurrency=2)
+    inbox.ingest("a", "chat", "1", {})
+    w.run_once(0, now=T)
+    inbox.ingest("a", "chat", "2", {})
+    w.run_once(0, now=T)
+    first, again = [m.body for m in inbox.outbox("a")]
+    assert first == again != str(os.getpid())             # one long-lived process per slot
+    w.processes[0]._process.kill()
+    inbox.ingest("b", "chat", "1", {})
+    w.run_once(0, now=T)
+    [replaced] = [m.body for m in inbox.outbox("b")]
+    assert replaced not in (first, str(os.getpid()))
+
+
+def test_thread_isolation_runs_handlers_in_the_worker(inbox, worker):
+    inbox.ingest("a", "chat", "1", {})
+    worker(inbox, "pid_of_runner", isolation="thread").run_once(now=T)
+    assert [m.body for m in inbox.outbox("a")] == [str(os.getpid())]
 
 
 def test_take_work_prefers_the_user_waiting_longest(inbox):
