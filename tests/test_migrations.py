@@ -9,7 +9,7 @@ import pytest
 
 from agent_inbox import errors, migrate
 
-TABLES = {"events", "leases", "timers", "outbox"}
+TABLES = {"events", "leases", "timers", "outbox", "operator_actions"}
 
 
 def _tables(url: str) -> set[str]:

@@ -204,6 +204,11 @@ def test_requeue_makes_dead_events_claimable_and_leaves_others_alone(capsys, dat
     assert audit.startswith("agent-inbox audit: dead requeue by ")
     assert audit.endswith(f"user='alice' id={dead1} source='chat' source_id='a-dead-1' "
                           "previous attempts=3 previous error='too many attempts'")
+    [recorded] = run_json(capsys, database_url, "audit", "--user", "alice")["actions"]
+    assert (recorded["action"], recorded["event_id"], recorded["detail"]) == (
+        "requeue", dead1, {"source": "chat", "source_id": "a-dead-1", "previous_attempts": 3,
+                           "previous_error": "too many attempts"})
+    assert "@" in recorded["actor"]
 
     # Claimable again, as a fresh event, in the batch with alice's other fresh events.
     gen = world.acquire("alice", "w-next", now=T + 10_000)
@@ -291,6 +296,10 @@ def test_discard_deletes_only_dead_events(capsys, database_url, world):
     assert "discarded 1 dead events (their keys can be stored again):" in out
     assert out.splitlines()[-1] == "discarded 1 of 2 ids; 1 not discarded"
     assert "dead discard by " in err and f"id={dead1} source='chat' source_id='a-dead-1'" in err
+    discards = [a for a in run_json(capsys, database_url, "audit")["actions"]
+                if a["action"] == "discard"]
+    assert [(a["user"], a["event_id"], a["detail"]["source_id"]) for a in discards] == [
+        ("alice", dead1, "a-dead-1")]
     # The dedup key went with the event: a redelivery is stored again.
     assert world.ingest("alice", "chat", "a-dead-1", {}) is True
 

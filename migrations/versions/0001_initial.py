@@ -107,6 +107,19 @@ def upgrade() -> None:
     op.create_index(
         "ix_outbox_held", "outbox", ["user_id", "id"], postgresql_where=sa.text("sent_at IS NULL")
     )
+    op.create_table(
+        "operator_actions",
+        sa.Column("user_id", sa.Text, nullable=False),
+        sa.Column("id", sa.BigInteger, sa.Identity(always=True), nullable=False),
+        sa.Column("at", sa.BigInteger, nullable=False, server_default=DB_CLOCK),
+        sa.Column("actor", sa.Text, nullable=False),
+        sa.Column("action", sa.Text, nullable=False),
+        sa.Column("event_id", sa.BigInteger, nullable=False),
+        sa.Column("detail", JSONB, nullable=False),
+        sa.PrimaryKeyConstraint("user_id", "id", name="pk_operator_actions"),
+        sa.CheckConstraint("action IN ('requeue', 'discard')", name="ck_operator_actions_action"),
+    )
+
     op.execute(EVENTS_INSERTED_FUNCTION)
     op.execute(EVENTS_INSERTED_TRIGGER)
 
@@ -139,6 +152,7 @@ FOR EACH STATEMENT EXECUTE FUNCTION agent_inbox_events_inserted()
 def downgrade() -> None:
     op.execute("DROP TRIGGER events_inserted ON events")
     op.execute("DROP FUNCTION agent_inbox_events_inserted()")
+    op.drop_table("operator_actions")
     op.drop_table("outbox")
     op.drop_table("timers")
     op.drop_table("leases")

@@ -157,6 +157,13 @@ def add_parsers(commands) -> None:
     _add_now(approve)
     approve.set_defaults(run=cmd_approve)
 
+    audit = _parser(commands, "audit", "operators' recorded repairs, newest first",
+                    "Every dead requeue and discard, recorded in the transaction that made it: "
+                    "who, when, which event, and what it was before.")
+    audit.add_argument("--user", type=_text, help="only this user's")
+    _add_limit(audit, "actions")
+    audit.set_defaults(run=cmd_audit)
+
     prune = _parser(
         commands, "prune", "delete finished events, keeping keys inside the dedup window",
         "Delete done events created more than --older-than ago. An event still inside the "
@@ -271,13 +278,13 @@ def cmd_dead_list(args: argparse.Namespace, name: str) -> int:
 @_command("dead-requeue")
 def cmd_dead_requeue(args: argparse.Namespace, name: str) -> int:
     return _repair(args, name, "requeue", "requeued", "(attempts 0, claimable now)",
-                   lambda conn, pairs: admin.requeue(conn, pairs, args.now))
+                   lambda conn, pairs: admin.requeue(conn, pairs, args.now, _actor()))
 
 
 @_command("dead-discard")
 def cmd_dead_discard(args: argparse.Namespace, name: str) -> int:
     return _repair(args, name, "discard", "discarded", "(their keys can be stored again)",
-                   admin.discard)
+                   lambda conn, pairs: admin.discard(conn, pairs, _actor()))
 
 
 def _repair(args: argparse.Namespace, name: str, verb: str, done_word: str, note: str,
@@ -324,16 +331,21 @@ def _left_alone(event_id: int, found: tuple[str, str] | None, user: str | None) 
     return {"id": event_id, "user": owner, "status": state, "reason": reason}
 
 
-def _audit(action: str, rows: list[dict]) -> None:
-    """One line per event changed, on stderr, and one log record per chunk. (A
-    durable audit table needs a schema migration.)"""
-    if not rows:
-        return
+def _actor() -> str:
+    """Who repairs: login@host, recorded with each action."""
     try:
         who = getpass.getuser()
     except Exception:  # no login name in the environment or the password database
         who = "unknown"
-    stamp = f"by {who}@{socket.gethostname()} at {tables.when(int(time.time()))}"
+    return f"{who}@{socket.gethostname()}"
+
+
+def _audit(action: str, rows: list[dict]) -> None:
+    """One line per event changed, on stderr, once its chunk committed (the
+    durable record is the operator_actions table, written in the same commit)."""
+    if not rows:
+        return
+    stamp = f"by {_actor()} at {tables.when(int(time.time()))}"
     for row in rows:
         if "previous_attempts" in row:
             before = (f"previous attempts={row['previous_attempts']} "
@@ -345,6 +357,18 @@ def _audit(action: str, rows: list[dict]) -> None:
               file=sys.stderr, flush=True)
     log.info("%s %s: %d events: %s", action, stamp, len(rows),
              ", ".join(f"{row['user']}/{row['id']}" for row in rows))
+
+
+@_command("audit")
+def cmd_audit(args: argparse.Namespace, name: str) -> int:
+    with _opened(args, name) as inbox, db.connection(inbox.pool) as conn:
+        rows = admin.actions(conn, args.user, args.limit)
+    text = tables.format_table(
+        ["when", "actor", "action", "user", "event", "detail"],
+        [[tables.when(r["at"]), r["actor"], r["action"], r["user"], r["event_id"],
+          json.dumps(r["detail"], sort_keys=True)] for r in rows]) if rows else "no recorded actions"
+    _emit(args, {"actions": rows}, text)
+    return 0
 
 
 @_command("timers")

@@ -140,3 +140,19 @@ sa.Index(
     outbox.c.id,
     postgresql_where=sa.text("sent_at IS NULL"),
 )
+
+# Operators' repairs (dead requeue, dead discard), recorded in the transaction
+# that made them: who, when, which event, and the state it had before.
+operator_actions = sa.Table(
+    "operator_actions",
+    metadata,
+    sa.Column("user_id", sa.Text, nullable=False),
+    sa.Column("id", sa.BigInteger, sa.Identity(always=True), nullable=False),
+    sa.Column("at", sa.BigInteger, nullable=False, server_default=DB_CLOCK),
+    sa.Column("actor", sa.Text, nullable=False),
+    sa.Column("action", sa.Text, nullable=False),
+    sa.Column("event_id", sa.BigInteger, nullable=False),
+    sa.Column("detail", JSONB, nullable=False),
+    sa.PrimaryKeyConstraint("user_id", "id"),
+    sa.CheckConstraint("action IN ('requeue', 'discard')", name="action"),
+)

@@ -161,6 +161,12 @@ WITH clock AS (
       FROM target t, clock
      WHERE e.user_id = t.user_id AND e.id = t.id
  RETURNING e.user_id, e.id, e.source, e.source_id, t.attempts, t.error
+), recorded AS (
+    INSERT INTO operator_actions (user_id, at, actor, action, event_id, detail)
+    SELECT user_id, clock.now, %(actor)s, 'requeue', id,
+           jsonb_build_object('source', source, 'source_id', source_id,
+                              'previous_attempts', attempts, 'previous_error', error)
+      FROM requeued, clock
 )
 SELECT user_id AS "user", id, source, source_id, attempts AS previous_attempts,
        error AS previous_error
@@ -172,12 +178,13 @@ SELECT user_id AS "user", id, source, source_id, attempts AS previous_attempts,
 WAKE_WORKERS = f"SELECT pg_notify('{notify.WORK}', '')"
 
 
-def requeue(conn, pairs: list[tuple[str, int]], now: int | None) -> list[dict]:
-    """Requeue the dead events among (user, id) pairs and wake the workers;
-    the rows requeued, with the attempts and error they had."""
+def requeue(conn, pairs: list[tuple[str, int]], now: int | None, actor: str) -> list[dict]:
+    """Requeue the dead events among (user, id) pairs, record it, and wake the
+    workers; the rows requeued, with the attempts and error they had."""
     users, ids = _columns(pairs)
     with conn.cursor(row_factory=dict_row) as cur:
-        rows = cur.execute(REQUEUE, {"users": users, "ids": ids, "now": now}).fetchall()
+        rows = cur.execute(REQUEUE, {"users": users, "ids": ids, "now": now,
+                                     "actor": actor}).fetchall()
     if rows:
         conn.execute(WAKE_WORKERS)
     return rows
@@ -193,7 +200,13 @@ WITH target AS (
     DELETE FROM events e
      USING target t
      WHERE e.user_id = t.user_id AND e.id = t.id
- RETURNING e.user_id, e.id, e.source, e.source_id, e.attempts, e.error
+ RETURNING e.user_id, e.id, e.source, e.source_id, e.attempts, e.error, e.payload
+), recorded AS (
+    INSERT INTO operator_actions (user_id, actor, action, event_id, detail)
+    SELECT user_id, %(actor)s, 'discard', id,
+           jsonb_build_object('source', source, 'source_id', source_id, 'attempts', attempts,
+                              'error', error, 'payload', payload)
+      FROM discarded
 )
 SELECT user_id AS "user", id, source, source_id, attempts, error
   FROM discarded
@@ -201,11 +214,27 @@ SELECT user_id AS "user", id, source, source_id, attempts, error
 """
 
 
-def discard(conn, pairs: list[tuple[str, int]]) -> list[dict]:
-    """Delete the dead events among (user, id) pairs; the rows deleted."""
+def discard(conn, pairs: list[tuple[str, int]], actor: str) -> list[dict]:
+    """Delete the dead events among (user, id) pairs, recording each (with its
+    payload); the rows deleted."""
     users, ids = _columns(pairs)
     with conn.cursor(row_factory=dict_row) as cur:
-        return cur.execute(DISCARD, {"users": users, "ids": ids}).fetchall()
+        return cur.execute(DISCARD, {"users": users, "ids": ids, "actor": actor}).fetchall()
+
+
+# Operator view: the recorded repairs, newest first (one user's, or all users').
+ACTIONS = """
+SELECT user_id AS "user", id, at, actor, action, event_id, detail
+  FROM operator_actions
+ WHERE %(user)s::text IS NULL OR user_id = %(user)s
+ ORDER BY at DESC, id DESC
+ LIMIT %(limit)s
+"""
+
+
+def actions(conn, user: str | None, limit: int) -> list[dict]:
+    with conn.cursor(row_factory=dict_row) as cur:
+        return cur.execute(ACTIONS, {"user": user, "limit": limit}).fetchall()
 
 
 # One user's timers (operator view): those still to fire first, soonest first.
