@@ -16,7 +16,9 @@ import asyncio
 import importlib
 import inspect
 import multiprocessing
+import os
 import threading
+import time
 import traceback
 from dataclasses import dataclass, field
 from multiprocessing.connection import wait as wait_any
@@ -100,8 +102,20 @@ def run_in_thread(handler: Callable, batch: list[Event], ctx: Context, wake: thr
 _SPAWN = multiprocessing.get_context("spawn")
 
 
-def _serve_runs(reference: str, conn, lease_lost) -> None:
+def _exit_with_parent(parent: int) -> None:
+    """A handler process must not outlive its worker (killed outright, it cannot
+    stop its children): it exits when its parent is gone."""
+    def watch():
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+
+
+def _serve_runs(reference: str, conn, lease_lost, parent: int) -> None:
     """A handler process's loop: one run per message, until the pipe closes."""
+    _exit_with_parent(parent)
     try:
         target = load(reference)
     except errors.AgentInboxError as exc:
@@ -128,7 +142,7 @@ class HandlerProcess:
         conn, child_conn = _SPAWN.Pipe()
         lost = _SPAWN.Event()
         process = _SPAWN.Process(target=_serve_runs, name=self.name, daemon=True,
-                                 args=(self.reference, child_conn, lost))
+                                 args=(self.reference, child_conn, lost, os.getpid()))
         process.start()
         child_conn.close()
         with self._guard:

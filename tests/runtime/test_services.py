@@ -1,6 +1,7 @@
 """The services as users run them: separate processes, real signals, a real
 PostgreSQL. Every wait is on database state (or a process exit), bounded."""
 
+import os
 import signal
 
 import psycopg
@@ -109,3 +110,25 @@ def test_the_worker_rides_out_a_postgres_restart(spawn):
             wait_until(lambda: len(inbox.events("u", status="done")) == 2,
                        "the event ingested after the restart", timeout=60)
             assert [m.body for m in inbox.outbox("u")] == ["u:before", "u:after"]
+
+
+def test_a_worker_killed_outright_leaves_no_handler_process_behind(database_url, inbox, spawn,
+                                                                      tmp_path):
+    inbox.ingest("u", "chat", "1", {"release_file": str(tmp_path / "never")})
+    worker = spawn(*worker_args(database_url, "hold_until_released"))
+    wait_until(lambda: inbox.events("u", status="running"), "the run to start")
+    children = _children(worker.pid)
+    assert children, "the run should be in a handler process"
+    worker.kill()
+    worker.wait(timeout=30)
+    wait_until(lambda: not any(os.path.exists(f"/proc/{pid}") for pid in children),
+               "the orphaned handler process to exit", timeout=10)
+
+
+def _children(pid):
+    """Child processes of every thread of `pid` (slots start theirs from their own threads)."""
+    children = []
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{task}/children") as listing:
+            children += [int(child) for child in listing.read().split()]
+    return children
