@@ -149,6 +149,14 @@ class HandlerProcess:
             self._process, self._conn, self._lost = process, conn, lost
         return process, conn, lost
 
+    def start(self) -> None:
+        """Start the process now (a worker does so before taking work, so the
+        first run does not wait for an interpreter to start)."""
+        with self._guard:
+            running = self._process is not None and self._process.is_alive()
+        if not running:
+            self._start()
+
     def run(self, batch: list[Event], ctx: Context) -> Result | None:
         """The run's result; a crash of the process is the run's error. None if
         the lease was lost first (the process is stopped: its answer would be

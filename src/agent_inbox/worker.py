@@ -203,6 +203,8 @@ class Worker:
 
     def serve(self, url: str) -> None:
         """Run every slot until SIGTERM/SIGINT, then shut down gracefully."""
+        for process in self.processes or ():
+            process.start()
         Listener(url, [notify.WORK], self.waker.wake_one, self.stop).start()
         done = threading.Event()
         threading.Thread(target=self._renewer, args=(done,), name="agent-inbox-renewer",
