@@ -123,7 +123,9 @@ def test_handlers_run_in_the_slots_process_which_is_replaced_after_a_crash(inbox
     w.run_once(0, now=T)
     first, again = [m.body for m in inbox.outbox("a")]
     assert first == again != str(os.getpid())             # one long-lived process per slot
-    w.processes[0]._process.kill()
+    crashed = w.processes[0]._process
+    crashed.kill()
+    crashed.join()                                        # died while idle, between runs
     inbox.ingest("b", "chat", "1", {})
     w.run_once(0, now=T)
     [replaced] = [m.body for m in inbox.outbox("b")]
