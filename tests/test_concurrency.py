@@ -15,6 +15,7 @@ import psycopg
 import pytest
 
 import agent_inbox.inbox
+from agent_inbox.store import lease as lease_store
 from agent_inbox.store import timers as timer_store
 from tests.races import Racers, wait_for_lock_waiters
 
@@ -319,3 +320,32 @@ def test_two_answers_racing_are_told_the_same_answer(database_url, make_inbox, i
 
         assert told[0] in ("yes", "no")
         assert_one_standing_answer(database_url, inbox, "alice", request_id, told)
+
+
+def test_a_deadlock_is_retried_by_in_transaction(database_url, make_inbox):
+    """Two transactions locking two rows in opposite orders: PostgreSQL breaks the
+    deadlock by rolling one back; db.in_transaction runs it again and both finish."""
+    from agent_inbox import db
+
+    with psycopg.connect(database_url, autocommit=True) as conn:
+        conn.execute("INSERT INTO leases (user_id, holder, gen, until) VALUES "
+                     "('a', '', 0, -1), ('b', '', 0, -1)")
+    both_hold_one = threading.Barrier(2)
+    attempts = []
+
+    def lock_in_order(first, second):
+        def work(conn):
+            attempts.append(first)
+            conn.execute(lease_store.LOCK, {"user": first})
+            if len(attempts) <= 2:              # the first round: meet, then cross
+                both_hold_one.wait(timeout=30)
+            conn.execute(lease_store.LOCK, {"user": second})
+            return first
+        return work
+
+    inboxes = racer_inboxes(make_inbox, 2)
+    results = Racers(lambda: db.in_transaction(inboxes[0].pool, lock_in_order("a", "b")),
+                     lambda: db.in_transaction(inboxes[1].pool, lock_in_order("b", "a"))
+                     ).start().join()
+    assert sorted(results) == ["a", "b"]
+    assert len(attempts) == 3                   # one of the two ran again

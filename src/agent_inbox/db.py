@@ -44,9 +44,15 @@ def translated() -> Iterator[None]:
     deadlocks into TransactionConflict."""
     try:
         yield
-    except psycopg.errors.TransactionRollback as exc:
-        raise errors.TransactionConflict(str(exc).strip()) from exc
-    except (psycopg.OperationalError, PoolTimeout) as exc:
+    except psycopg.Error as exc:
+        # class 40: deadlock_detected, serialization_failure (which psycopg 3 files
+        # under OperationalError, not under TransactionRollback)
+        if (exc.sqlstate or "").startswith("40"):
+            raise errors.TransactionConflict(str(exc).strip()) from exc
+        if isinstance(exc, psycopg.OperationalError):
+            raise errors.DatabaseUnavailable(str(exc).strip() or type(exc).__name__) from exc
+        raise
+    except PoolTimeout as exc:
         raise errors.DatabaseUnavailable(str(exc).strip() or type(exc).__name__) from exc
 
 
