@@ -1,0 +1,1 @@
+"""The agent-inbox benchmark suite: `python -m bench.run` (see bench/README.md)."""

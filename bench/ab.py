@@ -1,0 +1,70 @@
+"""A/B two agent-inbox source trees on W1b (per-run cost) and W2 (latency), interleaved.
+
+    .venv/bin/python -m bench.ab REV [--reps 3] [--users 5000] [--seconds 10]
+
+REV is a git revision: its src/ is extracted with `git archive` into a temp dir (the
+repository is not touched) and its workers run with PYTHONPATH pointing there; B is the
+working tree. The database schema is the working tree's (migrations/). Writes
+bench/results/ab_<REV>.json and prints medians.
+"""
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+from bench import workloads as wl
+from bench.common import RESULTS, ROOT, ours_database, resources
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.ab")
+    parser.add_argument("rev")
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--users", type=int, default=5000, help="W1b size (users x 1 event)")
+    parser.add_argument("--seconds", type=float, default=10.0, help="W2 duration")
+    parser.add_argument("--server-url", default="postgresql://postgres@127.0.0.1:5432/postgres")
+    args = parser.parse_args(argv)
+    res = resources()
+    tree = res.tempdir("ab-src")
+    archive = subprocess.run(["git", "archive", args.rev, "src"], cwd=ROOT, capture_output=True,
+                             check=True).stdout
+    subprocess.run(["tar", "-x", "-C", tree], input=archive, check=True)
+    trees = {args.rev: {"PYTHONPATH": f"{tree}/src:{ROOT}"}, "working-tree": {}}
+    out: dict = {name: [] for name in trees}
+    try:
+        url = ours_database(args.server_url)
+        for rep in range(args.reps):
+            items = list(trees.items())
+            for name, env in (items if rep % 2 == 0 else items[::-1]):
+                wl.OURS_ENV = env
+                a = wl.drain("ours", url, users=args.users, per_user=1, workers=4, concurrency=1,
+                             poll=1.0, timeout=600)
+                b = wl.latency("ours", url, users=200, interval=0.01, duration=args.seconds,
+                               workers=4, concurrency=1, poll=1.0, timeout=120)
+                row = {"w1b_runs_per_s": a["runs_per_s_drain"], "startup_s": a["startup_s"],
+                       "w2_p50_ms": b["p50_ms"], "w2_p99_ms": b["p99_ms"], "w2_max_ms": b["max_ms"],
+                       "w2_steady_p99_ms": b["steady_p99_ms"],
+                       "ok": a["check"]["ok"] and b["check"]["ok"], "loadavg_1m": os.getloadavg()[0]}
+                out[name].append(row)
+                print(name, {k: round(v, 2) if isinstance(v, float) else v for k, v in row.items()},
+                      flush=True)
+    finally:
+        wl.OURS_ENV = {}
+        res.release()
+    medians = {name: {k: statistics.median(r[k] for r in rows) for k in rows[0] if k != "ok"}
+               for name, rows in out.items() if rows}
+    path = RESULTS / f"ab_{args.rev}.json"
+    path.write_text(json.dumps({"rev": args.rev, "reps": out, "medians": medians,
+                                "date": time.strftime("%Y-%m-%dT%H:%M:%S")}, indent=1))
+    for name, m in medians.items():
+        print(f"{name:>14}: " + ", ".join(f"{k} {v:.2f}" for k, v in m.items()))
+    print(path)
+    return 0 if all(r["ok"] for rows in out.values() for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,316 @@
+"""Shared plumbing: scratch databases, worker processes, polling, statistics, checks."""
+
+import atexit
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import psycopg
+
+from agent_inbox import migrate, pgserver
+
+ROOT = Path(__file__).resolve().parent.parent          # /work/main
+VENV_BIN = Path(sys.executable).parent
+RESULTS = ROOT / "bench" / "results"
+DB_PREFIX = "bench"
+
+
+# --- cleanup registry -----------------------------------------------------------
+
+class Resources:
+    """Every database, process and temp dir this run creates, released at exit
+    (normal end, exception, SIGINT or SIGTERM)."""
+
+    def __init__(self):
+        self.databases: list[str] = []
+        self.processes: list[subprocess.Popen] = []
+        self.dirs: list[str] = []
+        atexit.register(self.release)
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(signum, self._on_signal)
+
+    def _on_signal(self, signum, frame):
+        self.release()
+        raise SystemExit(128 + signum)
+
+    def tempdir(self, prefix: str) -> str:
+        path = tempfile.mkdtemp(prefix=f"bench-{prefix}-")
+        self.dirs.append(path)
+        return path
+
+    def release(self) -> None:
+        stop_processes(self.processes, timeout=10)
+        self.processes.clear()
+        for url in reversed(self.databases):
+            try:
+                pgserver.drop_database(url)
+            except Exception as exc:  # noqa: BLE001 -- report and go on cleaning
+                print(f"warning: could not drop {url}: {exc}", file=sys.stderr)
+        self.databases.clear()
+        for path in self.dirs:
+            shutil.rmtree(path, ignore_errors=True)
+        self.dirs.clear()
+
+    def database(self, server_url: str, kind: str) -> str:
+        url = pgserver.create_database(server_url, prefix=f"{DB_PREFIX}_{kind}")
+        self.databases.append(url)
+        return url
+
+    def drop(self, url: str) -> None:
+        pgserver.drop_database(url)
+        if url in self.databases:
+            self.databases.remove(url)
+
+
+RES: Resources | None = None
+
+
+def resources() -> Resources:
+    global RES
+    if RES is None:
+        RES = Resources()
+    return RES
+
+
+# --- databases ---------------------------------------------------------------------
+
+def ours_database(server_url: str) -> str:
+    url = resources().database(server_url, "ours")
+    migrate.upgrade(url)
+    return url
+
+
+def peer_database(server_url: str) -> str:
+    url = resources().database(server_url, "peer")
+    env = dict(os.environ, BENCH_PEER_URL=url, PYTHONPATH=str(ROOT))
+    subprocess.run([str(VENV_BIN / "procrastinate"), "--app", "bench.peer_app.app",
+                    "schema", "--apply"], cwd=ROOT, env=env, check=True,
+                   stdout=subprocess.DEVNULL)
+    return url
+
+
+def sql(url: str, statement: str, params=None, fetch: bool = False):
+    with psycopg.connect(url, autocommit=True) as conn:
+        cur = conn.execute(statement, params)
+        return cur.fetchall() if fetch else None
+
+
+def scalar(url: str, statement: str, params=None):
+    return sql(url, statement, params, fetch=True)[0][0]
+
+
+def reset_ours(url: str) -> None:
+    sql(url, "TRUNCATE events, leases, outbox, timers RESTART IDENTITY")
+
+
+def reset_peer(url: str) -> None:
+    sql(url, "TRUNCATE procrastinate_jobs, procrastinate_events, procrastinate_periodic_defers,"
+             " procrastinate_workers RESTART IDENTITY CASCADE")
+
+
+def vacuum_analyze(url: str, *tables: str) -> None:
+    with psycopg.connect(url, autocommit=True) as conn:
+        for table in tables:
+            conn.execute(f"VACUUM ANALYZE {table}")
+
+
+# --- worker processes ----------------------------------------------------------------
+
+def spawn(cmd: list[str], env_extra: dict[str, str], log_path: str) -> subprocess.Popen:
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env.update(env_extra)
+    log = open(log_path, "ab")
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+                            stdin=subprocess.DEVNULL, start_new_session=True)
+    log.close()
+    resources().processes.append(proc)
+    return proc
+
+
+def stop_processes(procs: list[subprocess.Popen], timeout: float = 20) -> None:
+    """SIGTERM each (graceful), then SIGKILL what is left after `timeout` seconds."""
+    for p in procs:
+        if p.poll() is None:
+            try:
+                os.killpg(p.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+    deadline = time.monotonic() + timeout
+    for p in procs:
+        try:
+            p.wait(max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            p.wait()
+    reg = resources().processes
+    for p in procs:
+        if p in reg:
+            reg.remove(p)
+
+
+def ours_worker_cmd(url: str, concurrency: int, poll: float) -> list[str]:
+    return [str(VENV_BIN / "agent-inbox"), "worker", "--database-url", url,
+            "--handler", "bench.handlers:handle", "--concurrency", str(concurrency),
+            "--poll-interval", str(poll), "--log-level", "warning"]
+
+
+def peer_worker_cmd(concurrency: int, poll: float) -> list[str]:
+    return [str(VENV_BIN / "procrastinate"), "--app", "bench.peer_app.app",
+            "--log-level", "warning", "worker", "--concurrency", str(concurrency),
+            "--fetch-job-polling-interval", str(poll)]
+
+
+@dataclass
+class Workers:
+    system: str            # "ours" | "peer"
+    url: str
+    count: int
+    concurrency: int
+    poll: float
+    record_dir: str
+    log_dir: str
+    procs: list = field(default_factory=list)
+    spawned_at: float = 0.0
+    env: dict = field(default_factory=dict)   # e.g. PYTHONPATH of another agent-inbox tree
+
+    def start(self) -> None:
+        env = {"BENCH_RECORD_DIR": self.record_dir, **self.env}
+        if self.system == "ours":
+            cmd = ours_worker_cmd(self.url, self.concurrency, self.poll)
+        else:
+            cmd = peer_worker_cmd(self.concurrency, self.poll)
+            env["BENCH_PEER_URL"] = self.url
+        self.spawned_at = time.time()
+        self.procs = [spawn(cmd, env, os.path.join(self.log_dir, f"{self.system}-worker-{n}.log"))
+                      for n in range(self.count)]
+
+    def alive(self) -> bool:
+        return all(p.poll() is None for p in self.procs)
+
+    def wait_listening(self, timeout: float = 60) -> None:
+        """Until every worker process has its LISTEN connection up."""
+        dbname = psycopg.conninfo.conninfo_to_dict(self.url)["dbname"]
+        if self.system == "ours":
+            q = ("SELECT count(*) FROM pg_stat_activity WHERE datname = %s"
+                 " AND application_name = 'agent-inbox-listener' AND query ILIKE 'LISTEN%%'")
+        else:
+            q = ("SELECT count(*) FROM pg_stat_activity WHERE datname = %s"
+                 " AND (query ILIKE 'LISTEN%%' OR query = 'SELECT 1')")
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if not self.alive():
+                raise RuntimeError(f"{self.system} worker died at start: see {self.log_dir}")
+            if scalar(self.url, q, (dbname,)) >= self.count:
+                if self.system == "peer" and scalar(self.url, "SELECT count(*) FROM procrastinate_workers") < self.count:
+                    time.sleep(0.05)
+                    continue
+                return
+            time.sleep(0.05)
+        raise RuntimeError(f"{self.system} workers not listening after {timeout} s")
+
+    def stop(self) -> None:
+        stop_processes(self.procs)
+        self.procs = []
+
+
+def open_count_query(system: str) -> str:
+    """1 while any work is open, else 0: EXISTS stops at the first open row, so the 50 ms
+    poll costs both systems next to nothing (a count(*) over 20,000 open rows would not)."""
+    if system == "ours":
+        return "SELECT EXISTS (SELECT 1 FROM events WHERE status IN ('pending', 'running'))::int"
+    return "SELECT EXISTS (SELECT 1 FROM procrastinate_jobs WHERE status IN ('todo', 'doing'))::int"
+
+
+def wait_drained(url: str, system: str, workers: Workers | None, timeout: float,
+                 interval: float = 0.05) -> float:
+    """Poll every `interval` s until no work is open; the wall time (time.time()) then."""
+    query = open_count_query(system)
+    deadline = time.monotonic() + timeout
+    with psycopg.connect(url, autocommit=True) as conn:
+        while True:
+            if conn.execute(query).fetchone()[0] == 0:
+                return time.time()
+            if workers is not None and not workers.alive():
+                raise RuntimeError(f"{system} worker died: see {workers.log_dir}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{system}: work still open after {timeout} s")
+            time.sleep(interval)
+
+
+def src_fingerprint() -> dict:
+    """The agent-inbox code a measurement ran: HEAD, uncommitted files, a hash of src/.
+    (Worker processes import src/ when they start: if src/ changes during a run, the
+    per-repetition fingerprints in the JSON show it.)"""
+    import hashlib
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                          text=True).stdout.strip()
+    dirty = subprocess.run(["git", "status", "--short", "--", "src", "migrations"], cwd=ROOT,
+                           capture_output=True, text=True).stdout.split("\n")
+    digest = hashlib.sha256()
+    for path in sorted((ROOT / "src").rglob("*.py")) + sorted((ROOT / "migrations").rglob("*.py")):
+        digest.update(path.read_bytes())
+    return {"git": head, "uncommitted": [d for d in dirty if d.strip()],
+            "sha256": digest.hexdigest()[:16]}
+
+
+# --- checks ----------------------------------------------------------------------------
+
+def check_runs(records: list[dict], expected_ids: set) -> dict:
+    """Exactly-once and per-user non-overlap, from handler records."""
+    seen = Counter(i for r in records for i in r["ids"])
+    missing = len(expected_ids - set(seen))
+    twice = sum(1 for i, n in seen.items() if n > 1)
+    unexpected = len(set(seen) - expected_ids)
+    by_user = defaultdict(list)
+    for r in records:
+        by_user[r["u"]].append((r["s"], r["e"]))
+    overlaps = 0
+    for spans in by_user.values():
+        spans.sort()
+        for (s0, e0), (s1, e1) in zip(spans, spans[1:]):
+            if s1 < e0:
+                overlaps += 1
+    ok = missing == 0 and twice == 0 and unexpected == 0 and overlaps == 0
+    out = {"ok": ok, "runs_recorded": len(records), "events_recorded": sum(seen.values()),
+           "missing": missing, "handled_twice": twice, "unexpected": unexpected,
+           "overlapping_runs": overlaps}
+    if twice:  # evidence: every run that handled a twice-handled event, per user
+        doubled = {i for i, n in seen.items() if n > 1}
+        users = sorted({r["u"] for r in records if doubled & set(r["ids"])})[:5]
+        out["twice_detail"] = {u: sorted(({k: v for k, v in r.items() if k not in ("t0", "ids")}
+                                          | {"n_ids": len(r["ids"]), "first_id": r["ids"][0]}
+                                          for r in records
+                                          if r["u"] == u and doubled & set(r["ids"])),
+                                         key=lambda r: r["s"])
+                               for u in users[:3]}
+    return out
+
+
+# --- statistics ------------------------------------------------------------------------
+
+def summary(values: list[float]) -> dict:
+    values = [v for v in values if v is not None]
+    if not values:
+        return {"median": None, "min": None, "max": None, "runs": []}
+    return {"median": statistics.median(values), "min": min(values), "max": max(values),
+            "runs": values}
+
+
+def percentile(values: list[float], p: float) -> float:
+    """Nearest-rank percentile (p in 0..100)."""
+    s = sorted(values)
+    if not s:
+        return float("nan")
+    k = max(0, min(len(s) - 1, int(round(p / 100 * len(s) + 0.5)) - 1))
+    return s[k]

@@ -1,0 +1,481 @@
+"""The workloads: ceiling, W1/W1b drain, W2 latency, W3 ingest, W4 take-work at scale.
+
+Every function runs ONE repetition and returns a dict of figures plus the
+correctness checks of that repetition; bench.run repeats, interleaves the two
+systems and summarises.
+"""
+
+import random
+import re
+import subprocess
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import psycopg
+from procrastinate import exceptions as peer_exceptions
+
+from agent_inbox import DatabaseUnavailable, Inbox, Result, TransactionConflict, migrate
+from agent_inbox.store import inbox as inbox_store
+
+from bench import records
+from bench.common import (Workers, check_runs, percentile, reset_ours, reset_peer, resources,
+                          scalar, sql, vacuum_analyze, wait_drained)
+from bench.peer_app import TASK_NAME, build_app
+
+SOURCE = "bench"
+PRELOAD_CHUNK = 1000
+# Extra environment for agent-inbox worker processes (an A/B against another source tree:
+# {"PYTHONPATH": "/path/to/other/src:/work/main"}); empty for the normal run.
+OURS_ENV: dict = {}
+
+
+# --- ceiling ----------------------------------------------------------------------------
+
+def pgbench_init(server_url: str, scale: int) -> str:
+    url = resources().database(server_url, "pgbench")
+    _pgbench(url, ["-i", "-s", str(scale), "-q"])
+    return url
+
+
+def _pgbench(url: str, args: list[str]) -> str:
+    info = psycopg.conninfo.conninfo_to_dict(url)
+    cmd = ["pgbench", *args, "-h", info.get("host", "127.0.0.1"), "-p", str(info.get("port", 5432)),
+           "-U", info.get("user", "postgres"), info["dbname"]]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"pgbench failed: {done.stderr[-2000:]}")
+    return done.stdout + done.stderr
+
+
+def pgbench_run(url: str, clients: int, threads: int, seconds: int) -> dict:
+    out = _pgbench(url, ["-N", "-c", str(clients), "-j", str(threads), "-T", str(seconds)])
+    m = re.search(r"tps = ([\d.]+) \(without initial connection time\)", out)
+    if not m:
+        raise RuntimeError(f"no tps in pgbench output: {out[-1000:]}")
+    return {"tps": float(m.group(1))}
+
+
+def insert_commit_loop(url: str, seconds: float) -> dict:
+    """Single-row INSERT, each its own commit (autocommit), on one connection."""
+    with psycopg.connect(url, autocommit=True) as conn:
+        conn.execute("DROP TABLE IF EXISTS bench_commit_probe")
+        conn.execute("CREATE TABLE bench_commit_probe (id bigint GENERATED ALWAYS AS IDENTITY"
+                     " PRIMARY KEY, body text NOT NULL)")
+        n = 0
+        start = time.perf_counter()
+        end = start + seconds
+        while time.perf_counter() < end:
+            conn.execute("INSERT INTO bench_commit_probe (body) VALUES (%s)", ("x",))
+            n += 1
+        elapsed = time.perf_counter() - start
+        conn.execute("DROP TABLE bench_commit_probe")
+    return {"commits_per_s": n / elapsed, "commits": n}
+
+
+# --- W1 / W1b: drain a preloaded backlog -------------------------------------------------------
+
+def _preload_ours(url: str, users: int, per_user: int) -> set:
+    with Inbox.connect(url, pool_size=1) as inbox:
+        batch = []
+        for k in range(per_user):            # arrival order interleaves the users
+            for u in range(users):
+                batch.append((f"u{u}", SOURCE, f"{u}-{k}", {"k": k}))
+                if len(batch) == PRELOAD_CHUNK:
+                    inbox.ingest_many(batch)
+                    batch = []
+        if batch:
+            inbox.ingest_many(batch)
+    return {r[0] for r in sql(url, "SELECT id FROM events", fetch=True)}
+
+
+def _preload_peer(url: str, users: int, per_user: int) -> set:
+    app = build_app(url, min_size=1, max_size=1)
+    app.open()
+    try:
+        task = app.tasks[TASK_NAME]
+        jobs, eid = [], 0
+        for k in range(per_user):
+            for u in range(users):
+                jobs.append(task.configure(lock=f"u{u}",
+                                           task_kwargs={"user": f"u{u}", "eid": eid}).job)
+                eid += 1
+                if len(jobs) == PRELOAD_CHUNK:
+                    app.job_manager.batch_defer_jobs(jobs=jobs)
+                    jobs = []
+        if jobs:
+            app.job_manager.batch_defer_jobs(jobs=jobs)
+    finally:
+        app.close()
+    return set(range(eid))
+
+
+def drain(system: str, url: str, *, users: int, per_user: int, workers: int, concurrency: int,
+          poll: float, timeout: float) -> dict:
+    """Preload users x per_user events, start the workers, time until all are done."""
+    res = resources()
+    if system == "ours":
+        reset_ours(url)
+        expected = _preload_ours(url, users, per_user)
+        vacuum_analyze(url, "events", "leases")
+    else:
+        reset_peer(url)
+        expected = _preload_peer(url, users, per_user)
+        vacuum_analyze(url, "procrastinate_jobs")
+    n = len(expected)
+    assert n == users * per_user, (n, users * per_user)
+    w = Workers(system, url, workers, concurrency, poll, res.tempdir("rec"), res.tempdir("log"),
+                env=dict(OURS_ENV) if system == "ours" else {})
+    w.start()
+    try:
+        t_done = wait_drained(url, system, w, timeout)
+    finally:
+        w.stop()
+    recs = records.read(w.record_dir, system)
+    check = check_runs(recs, expected)
+    if system == "ours":
+        not_done = scalar(url, "SELECT count(*) FROM events WHERE status <> 'done'")
+        takes = scalar(url, "SELECT coalesce(sum(gen), 0) FROM leases")
+        reclaimed = scalar(url, "SELECT count(*) FROM events WHERE attempts > 1")
+        check.update(not_done=not_done, takes=int(takes), events_claimed_more_than_once=reclaimed)
+        check["ok"] = check["ok"] and not_done == 0
+    else:
+        not_done = scalar(url, "SELECT count(*) FROM procrastinate_jobs WHERE status <> 'succeeded'")
+        check.update(not_done=not_done)
+        check["ok"] = check["ok"] and not_done == 0
+    runs = len(recs)
+    first = min(r["s"] for r in recs)
+    wall = t_done - w.spawned_at
+    busy = t_done - first
+    return {"wall_s": wall, "drain_s": busy, "startup_s": first - w.spawned_at,
+            "events": n, "runs": runs,
+            "events_per_s": n / wall, "events_per_s_drain": n / busy,
+            "runs_per_s": runs / wall, "runs_per_s_drain": runs / busy,
+            "check": check}
+
+
+# --- W2: latency from ingest to handler start ----------------------------------------------------
+
+def latency(system: str, url: str, *, users: int, interval: float, duration: float, workers: int,
+            concurrency: int, poll: float, timeout: float, senders: int = 4,
+            warm: float = 2.0) -> dict:
+    """A paced producer: one event every `interval` s for `duration` s, round-robin over
+    `users`, each sent by one of `senders` threads (so a slow commit does not lower the
+    offered rate: both systems get the same schedule). t0 = time.time() just before the
+    ingest/defer call, carried in the payload; latency = handler start - t0."""
+    res = resources()
+    (reset_ours if system == "ours" else reset_peer)(url)
+    w = Workers(system, url, workers, concurrency, poll, res.tempdir("rec"), res.tempdir("log"),
+                env=dict(OURS_ENV) if system == "ours" else {})
+    w.start()
+    try:
+        w.wait_listening()
+        time.sleep(1.0)  # let every slot make its first empty pass and go idle
+        n = int(round(duration / interval))
+        if system == "ours":
+            inbox = Inbox.connect(url, pool_size=senders)
+            send = lambda k, user, t0: inbox.ingest(user, SOURCE, str(k), {"t0": t0})  # noqa: E731
+            close = inbox.close
+        else:
+            app = build_app(url, min_size=senders, max_size=senders)
+            app.open()
+            task = app.tasks[TASK_NAME]
+            send = lambda k, user, t0: task.configure(lock=user).defer(user=user, eid=k, t0=t0)  # noqa: E731
+            close = app.close
+        lateness = []
+
+        def one(k, target):
+            lateness.append(time.perf_counter() - target)
+            send(k, f"u{k % users}", time.time())
+
+        try:
+            with ThreadPoolExecutor(senders) as pool:
+                start = time.perf_counter() + 0.05
+                futures = []
+                for k in range(n):
+                    target = start + k * interval
+                    pause = target - time.perf_counter()
+                    if pause > 0:
+                        time.sleep(pause)
+                    futures.append(pool.submit(one, k, target))
+                for f in futures:
+                    f.result()
+            produced_in = time.perf_counter() - start
+        finally:
+            close()
+        wait_drained(url, system, w, timeout)
+    finally:
+        w.stop()
+    recs = records.read(w.record_dir, system)
+    if system == "ours":
+        expected = {r[0] for r in sql(url, "SELECT id FROM events", fetch=True)}
+    else:
+        expected = set(range(n))
+    check = check_runs(recs, expected)
+    check["ok"] = check["ok"] and len(expected) == n
+    # Each event's latency is to its FIRST handling: a second handling is a correctness
+    # failure, counted by the check, not a latency sample.
+    first: dict = {}
+    for r in recs:
+        for i, t0 in zip(r["ids"], r["t0"]):
+            if t0 is not None and (i not in first or r["s"] < first[i][0]):
+                first[i] = (r["s"], t0)
+    lat = [(s_ - t0) * 1000.0 for s_, t0 in first.values()]
+    # Steady state: the events sent after the first `warm` seconds (a worker's first runs
+    # can pay one-off costs: new connections, cold caches, a handler process starting).
+    t_first = min(t0 for _, t0 in first.values())
+    steady = [(s_ - t0) * 1000.0 for s_, t0 in first.values() if t0 >= t_first + warm]
+    return {"events": n, "produced_per_s": n / produced_in,
+            "steady_p50_ms": percentile(steady, 50), "steady_p99_ms": percentile(steady, 99),
+            "steady_max_ms": max(steady), "warm_s": warm,
+            "late_sends": sum(1 for x in lateness if x > interval),
+            "send_lateness_p99_ms": percentile(lateness, 99) * 1000.0,
+            "runs": len(recs), "p50_ms": percentile(lat, 50), "p99_ms": percentile(lat, 99),
+            "max_ms": max(lat), "mean_ms": sum(lat) / len(lat), "check": check}
+
+
+# --- W3: ingest with duplicates ------------------------------------------------------------------
+
+def w3_events(n: int, dup_fraction: float, users: int, seed: int = 7) -> tuple[list, int]:
+    """n deliveries, dup_fraction of them redeliveries of an earlier key (same payload),
+    each placed at a random point after its original."""
+    rng = random.Random(seed)
+    distinct = n - int(n * dup_fraction)
+    placed = [(float(i), (f"u{i % users}", SOURCE, f"id{i}", {"n": i})) for i in range(distinct)]
+    for _ in range(n - distinct):
+        j = rng.randrange(distinct)
+        placed.append((rng.uniform(j + 0.5, distinct), placed[j][1]))
+    placed.sort(key=lambda p: p[0])
+    return [e for _, e in placed], distinct
+
+
+def _chunks(events: list, size: int) -> list[list]:
+    return [events[i:i + size] for i in range(0, len(events), size)]
+
+
+def _run_threads(conns: int, setup, work) -> float:
+    """`setup(i)` per thread before the clock starts, then `work(i, state)`; seconds elapsed."""
+    states = [setup(i) for i in range(conns)]
+    barrier = threading.Barrier(conns + 1)
+    errors: list[BaseException] = []
+
+    def body(i):
+        barrier.wait()
+        try:
+            work(i, states[i])
+        except BaseException as exc:  # noqa: BLE001 -- re-raised in the driver
+            errors.append(exc)
+
+    threads = [threading.Thread(target=body, args=(i,)) for i in range(conns)]
+    for t in threads:
+        t.start()
+    barrier.wait()
+    start = time.perf_counter()
+    for t in threads:
+        t.join()
+    elapsed = time.perf_counter() - start
+    if errors:
+        raise errors[0]
+    return elapsed, states
+
+
+def _retrying_deadlocks(call, counter: list, i: int):
+    """Call again when PostgreSQL broke a deadlock between concurrent batches (the
+    rolled-back batch stored nothing, so a retry is exact). agent-inbox means to retry
+    these itself (db.in_transaction) and raise TransactionConflict; it currently
+    surfaces them as DatabaseUnavailable (see bench/README.md), so both are accepted."""
+    for attempt in range(20):
+        try:
+            return call()
+        except (TransactionConflict, DatabaseUnavailable) as exc:
+            if "deadlock" not in str(exc) or attempt == 19:
+                raise
+            counter[i] += 1
+            time.sleep(random.uniform(0, 0.01))
+
+
+def w3_ours(url: str, events: list, distinct: int, *, mode: str, conns: int, batch: int) -> dict:
+    reset_ours(url)
+    vacuum_analyze(url, "events", "leases")
+    stored = [0] * conns
+    deadlocks = [0] * conns
+    if mode == "single":
+        chunks = [events]
+    else:
+        chunks = _chunks(events, batch)
+
+    def setup(i):
+        return Inbox.connect(url, pool_size=1)
+
+    def work(i, inbox):
+        for c in chunks[i::conns]:
+            if mode == "single":
+                stored[i] += sum(inbox.ingest(*e) for e in c)
+            else:
+                stored[i] += sum(_retrying_deadlocks(lambda: inbox.ingest_many(c), deadlocks, i))
+
+    elapsed, states = _run_threads(conns, setup, work)
+    for inbox in states:
+        inbox.close()
+    in_db = scalar(url, "SELECT count(*) FROM events")
+    check = {"stored_reported": sum(stored), "stored_in_db": in_db, "distinct_keys": distinct,
+             "deadlocks_retried_by_bench": sum(deadlocks),
+             "ok": sum(stored) == distinct and in_db == distinct}
+    assert check["ok"], check
+    return {"events": len(events), "seconds": elapsed, "events_per_s": len(events) / elapsed,
+            "stored": in_db, "deadlocks": sum(deadlocks), "check": check}
+
+
+def w3_peer(url: str, events: list, distinct: int, *, mode: str, conns: int, batch: int,
+            dedupe: bool) -> dict:
+    """mode single: Task.configure(lock, queueing_lock).defer per delivery, AlreadyEnqueued
+    caught. mode batch: JobManager.batch_defer_jobs per chunk (what Task.batch_defer runs,
+    with a per-job lock); with dedupe the queueing_lock is set and a chunk refused for a
+    duplicate is deferred again one job at a time."""
+    reset_peer(url)
+    vacuum_analyze(url, "procrastinate_jobs")
+    stored = [0] * conns
+    deadlocks = [0] * conns
+    refused_batches = [0] * conns
+    chunks = [events] if mode == "single" else _chunks(events, batch)
+    indexed = {id(e): n for n, e in enumerate(events)}
+
+    def setup(i):
+        app = build_app(url, min_size=1, max_size=1)
+        app.open()
+        return app
+
+    def job_of(task, e):
+        user, source, source_id, payload = e
+        options = {"lock": user, "task_kwargs": {"user": user, "eid": indexed[id(e)], "n": payload["n"]}}
+        if dedupe:
+            options["queueing_lock"] = f"{user}:{source}:{source_id}"
+        return task.configure(**options)
+
+    def work(i, app):
+        task = app.tasks[TASK_NAME]
+        for c in chunks[i::conns]:
+            if mode == "single":
+                for e in c:
+                    try:
+                        job_of(task, e).defer()
+                        stored[i] += 1
+                    except peer_exceptions.AlreadyEnqueued:
+                        pass
+                continue
+            jobs = [job_of(task, e).job for e in c]
+            try:
+                _peer_retrying_deadlocks(lambda: app.job_manager.batch_defer_jobs(jobs=jobs),
+                                         deadlocks, i)
+                stored[i] += len(jobs)
+            except peer_exceptions.AlreadyEnqueued:
+                refused_batches[i] += 1
+                for job in jobs:
+                    try:
+                        app.job_manager.defer_job(job=job)
+                        stored[i] += 1
+                    except peer_exceptions.AlreadyEnqueued:
+                        pass
+
+    elapsed, states = _run_threads(conns, setup, work)
+    for app in states:
+        app.close()
+    in_db = scalar(url, "SELECT count(*) FROM procrastinate_jobs")
+    want = distinct if dedupe else len(events)
+    check = {"stored_reported": sum(stored), "stored_in_db": in_db, "distinct_keys": distinct,
+             "deduplicated": dedupe, "batches_refused": sum(refused_batches),
+             "deadlocks_retried_by_bench": sum(deadlocks),
+             "ok": sum(stored) == want and in_db == want}
+    assert check["ok"], check
+    return {"events": len(events), "seconds": elapsed, "events_per_s": len(events) / elapsed,
+            "stored": in_db, "deadlocks": sum(deadlocks), "check": check}
+
+
+def _peer_retrying_deadlocks(call, counter: list, i: int):
+    for attempt in range(20):
+        try:
+            return call()
+        except peer_exceptions.AlreadyEnqueued:
+            raise
+        except peer_exceptions.ConnectorException as exc:
+            if "deadlock" not in str(exc.__cause__ or exc) or attempt == 19:
+                raise
+            counter[i] += 1
+            time.sleep(random.uniform(0, 0.01))
+
+
+# --- W4: take_work with many idle users ---------------------------------------------------------
+
+IDLE_SQL = """
+INSERT INTO leases (user_id, holder, gen, until)
+SELECT 'idle-' || g, 'bench-old-holder', 3, %(past)s FROM generate_series(1, %(idle)s) g
+"""
+
+IDLE_EVENTS_SQL = """
+INSERT INTO events (user_id, source, source_id, payload, status, attempts, claim_gen,
+                    created_at, available_at, claimed_at)
+SELECT 'idle-' || g, 'bench', 'old-' || k, '{"old": true}'::jsonb, 'done', 1, 3,
+       %(past)s, %(past)s + 5, %(past)s
+  FROM generate_series(1, %(idle)s) g, generate_series(1, %(per_user)s) k
+"""
+
+
+def w4_setup(server_url: str, users: int, busy: int, done_per_idle: int, pending: int) -> str:
+    url = resources().database(server_url, f"w4_{users}")
+    migrate.upgrade(url)
+    past = int(time.time()) - 86400
+    idle = users - busy
+    with psycopg.connect(url, autocommit=True) as conn:
+        conn.execute(IDLE_SQL, {"idle": idle, "past": past})
+        conn.execute(IDLE_EVENTS_SQL, {"idle": idle, "per_user": done_per_idle, "past": past})
+    with Inbox.connect(url, pool_size=1) as inbox:
+        inbox.ingest_many([(f"busy-{b}", SOURCE, f"p-{b}-{k}", {"k": k})
+                           for k in range(pending) for b in range(busy)])
+    vacuum_analyze(url, "events", "leases")
+    return url
+
+
+def take_work_params(inbox: Inbox, holder: str) -> dict:
+    return {"holder": holder, "ttl": inbox.lease_ttl, "now": None, **inbox.policy.params()}
+
+
+def explain_take_work(url: str, inbox: Inbox, holder: str) -> str:
+    """EXPLAIN (ANALYZE, BUFFERS) of TAKE_WORK, custom plan and forced generic plan, each
+    inside a transaction that is rolled back (the statement leases and claims)."""
+    params = take_work_params(inbox, holder)
+    parts = []
+    with psycopg.connect(url) as conn:
+        for mode in ("auto", "force_generic_plan"):
+            with conn.transaction(force_rollback=True):
+                conn.execute(f"SET LOCAL plan_cache_mode = {mode}")
+                rows = conn.execute("EXPLAIN (ANALYZE, BUFFERS, VERBOSE OFF) " + inbox_store.TAKE_WORK,
+                                    params).fetchall()
+            parts.append(f"-- plan_cache_mode = {mode}\n" + "\n".join(r[0] for r in rows))
+    return "\n\n".join(parts) + "\n"
+
+
+def w4_measure(url: str, *, calls: int, warmup: int, pending: int, serial: list) -> dict:
+    """Median take_work round trip over `calls` calls. Between calls (not timed) the run is
+    finished and the user gets `pending` fresh events, so 100 users always have work."""
+    holder = "bench-w4-holder"
+    with Inbox.connect(url, pool_size=1) as inbox:
+        times = []
+        for n in range(warmup + calls):
+            t = time.perf_counter()
+            run = inbox.take_work(holder)
+            dt = time.perf_counter() - t
+            assert run is not None and len(run.events) == pending, run
+            if n >= warmup:
+                times.append(dt * 1000.0)
+            assert inbox.finish_run(run, Result())
+            base = serial[0]
+            serial[0] += pending
+            inbox.ingest_many([(run.user, SOURCE, f"r-{base + k}", {"k": k}) for k in range(pending)])
+    times.sort()
+    return {"median_ms": times[len(times) // 2], "p90_ms": percentile(times, 90),
+            "min_ms": times[0], "max_ms": times[-1], "calls": len(times)}
+
+
+def server_execution_ms(explain_text: str) -> float | None:
+    m = re.search(r"Execution Time: ([\d.]+) ms", explain_text)
+    return float(m.group(1)) if m else None
