@@ -199,3 +199,12 @@ def test_prune_deletes_old_finished_events_but_keeps_keys_inside_the_dedup_windo
     assert set(by_id) == {"evt-1", "evt-2"}
     assert by_id["evt-1"].payload == {"pruned": True} and by_id["evt-2"].payload == {"n": 2}
     assert [e.status for e in inbox.events("a") if e.source_id == "still-pending"] == ["pending"]
+
+
+def test_prune_keeps_the_standing_approval_answer(inbox, database_url):
+    inbox.request_approval("u", "r1", expires_in=3600, action="refund", now=T)
+    assert inbox.answer_approval("u", "r1", "yes", now=T + 1) == "yes"
+    with psycopg.connect(database_url, autocommit=True) as conn:
+        conn.execute("UPDATE events SET status = 'done', created_at = %s", (T - 3 * 86400,))
+    inbox.prune(older_than=86400, now=T)
+    assert inbox.answer_approval("u", "r1", "no", now=T + 2) == "yes"

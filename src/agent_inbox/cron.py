@@ -69,6 +69,13 @@ class Schedule:
 
     def next_after(self, after: int) -> int:
         """The first occurrence strictly after epoch second `after`."""
+        try:
+            return self._next_after(after)
+        except (OverflowError, OSError, ValueError):  # past what datetime can hold
+            raise errors.InvalidTimer("cron", self.expression,
+                                      f"has no occurrence after {after} before the year 9999") from None
+
+    def _next_after(self, after: int) -> int:
         start = datetime.fromtimestamp(after, self.zone).replace(hour=0, minute=0, second=0,
                                                                  microsecond=0, tzinfo=None)
         for offset in range(_SEARCH_DAYS):

@@ -6,8 +6,8 @@ can drop the repeat. Delivery is at-least-once (send, then mark sent) unless the
 dispatcher runs with --at-most-once (mark, then send). Per user, at most
 one send per outbox gap, except that an urgent message goes at once (with
 whatever else is held). Safe to run as many copies as you like: each user's
-dispatch holds a per-user transaction lock and marks its rows sent in the
-transaction that sent them.
+dispatch holds a per-user lock from choosing its batch to marking it sent
+(store/outbox.py).
 """
 
 import logging

@@ -81,9 +81,10 @@ class Runs:
             raise errors.InvalidInput("result", result, "must be an agent_inbox.Result")
         now = validate.optional_epoch("now", now)
         error = None if result.error is None else validate.text("result.error", result.error)
-        messages = [self._message(m) for m in result.messages]
-        timer_rows = [self._timer_row(t) for t in result.timers]
-        approval_rows = [self._approval_row(a) for a in result.approvals]
+        messages = [self._message(m) for m in validate.sequence("result.messages", result.messages)]
+        timer_rows = [self._timer_row(t) for t in validate.sequence("result.timers", result.timers)]
+        approval_rows = [self._approval_row(a)
+                         for a in validate.sequence("result.approvals", result.approvals)]
         finish = (run.user, run.holder, run.gen, [e.id for e in run.events], messages, error, now)
         taken = None
         with db.connection(self._pool) as conn:

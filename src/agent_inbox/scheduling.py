@@ -39,7 +39,7 @@ class Scheduling:
         timer_id = validate.text("timer_id", timer_id)
         due = validate.epoch("due", due)
         if every is not None:
-            every = validate.positive_int("every", every)
+            every = validate.positive_seconds("every", every)
         if every is not None and cron is not None:
             raise errors.InvalidTimer("cron", cron, "cannot be combined with every")
         if (every is not None or cron is not None) and key is not None:

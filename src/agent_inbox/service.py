@@ -125,4 +125,9 @@ def serve(name: str, run_once: Callable[[], float | None], wait: Callable[[float
             log.warning("%s: database unavailable (%s); retrying in %.1f s", name, exc, pause)
             stop.wait(pause)
             continue
+        except Exception:  # a bug or bad row must not end the service: log, back off, go on
+            pause = next(delays)
+            log.exception("%s: pass failed; retrying in %.1f s", name, pause)
+            stop.wait(pause)
+            continue
         wait(jittered(poll_interval) if pause is None else min(pause, jittered(poll_interval)))

@@ -11,6 +11,9 @@ from agent_inbox import errors
 
 # PostgreSQL's bigint: times, durations and ids must fit.
 _BIGINT_MAX = 2**63 - 1
+# Times and durations stop at the end of year 9999: far enough for any schedule,
+# and sums of two of them (due + every, now + expires_in) stay inside a bigint.
+MAX_SECONDS = 253_402_300_799
 
 
 def _is_int(value: object) -> bool:
@@ -38,8 +41,8 @@ def epoch(field: str, value: object) -> int:
         raise errors.InvalidTime(field, value, "must be a whole number of seconds (int)")
     if value < 0:
         raise errors.InvalidTime(field, value, "must not be negative")
-    if value > _BIGINT_MAX:
-        raise errors.InvalidTime(field, value, "is too large")
+    if value > MAX_SECONDS:
+        raise errors.InvalidTime(field, value, f"is too large (at most {MAX_SECONDS}, the year 9999)")
     return value
 
 
@@ -51,6 +54,20 @@ def positive_int(field: str, value: object) -> int:
     if not _is_int(value) or value <= 0 or value > _BIGINT_MAX:
         raise errors.InvalidInput(field, value, "must be a positive integer")
     return value
+
+
+def positive_seconds(field: str, value: object) -> int:
+    """A duration that must be at least one second (a timer's period)."""
+    if not _is_int(value) or value <= 0:
+        raise errors.InvalidInput(field, value, "must be a positive integer")
+    return epoch(field, value)
+
+
+def sequence(field: str, values: object) -> list:
+    """A list of items, not a single string or value mistaken for one."""
+    if values is None or isinstance(values, (str, bytes)) or not isinstance(values, Iterable):
+        raise errors.InvalidInput(field, values, "must be a list or tuple of items")
+    return list(values)
 
 
 def ids(field: str, values: object) -> list[int]:

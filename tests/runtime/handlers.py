@@ -52,3 +52,7 @@ def hold_until_released(batch, ctx):
         if ctx.lease_lost.wait(0.02):
             return Result(messages=["after the lease was lost"])
     return Result(messages=["released"])
+
+
+def message_not_in_a_list(batch, ctx):
+    return Result(messages="hello")

@@ -80,3 +80,18 @@ def test_at_most_once_marks_before_sending(inbox):
         inbox.dispatch_batch("u", crash, at_most_once=True, now=T)
     assert [m.sent_at for m in inbox.outbox("u")] == [T]            # marked: never resent
     assert inbox.dispatch_batch("u", crash, at_most_once=True, now=T + 7200) == 0
+
+
+def test_a_service_loop_survives_a_failing_pass():
+    from agent_inbox.service import Stop, serve
+
+    stop, calls = Stop(), []
+
+    def run_once():
+        calls.append(len(calls))
+        if len(calls) == 1:
+            raise ValueError("a row the pass cannot handle")
+        stop.event.set()
+
+    serve("test", run_once, lambda seconds: None, stop, poll_interval=0.01)
+    assert calls == [0, 1]                  # logged, backed off, ran again

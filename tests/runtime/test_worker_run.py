@@ -52,6 +52,7 @@ def test_the_lease_is_released_at_finish_and_still_fences(inbox, worker):
     ("explode", "RuntimeError: tool failed"),
     ("wrong_type", "handler returned str, not agent_inbox.Result"),
     ("bad_result", "invalid handler result"),
+    ("message_not_in_a_list", "result.messages must be a list or tuple"),
 ])
 def test_a_failing_handler_puts_its_events_back_for_a_retry(inbox, worker, name, error):
     inbox.ingest("u", "chat", "1", {})

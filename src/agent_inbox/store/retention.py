@@ -26,6 +26,7 @@ COMPACT = f"""
 UPDATE events SET payload = '{{"pruned": true}}'::jsonb
  WHERE user_id = ANY(%(users)s::text[]) AND status = ANY(%(statuses)s::text[])
    AND created_at < {NOW} - %(older_than)s
+   AND source <> 'approval'  -- the answer that stands is read from its payload
    AND payload <> '{{"pruned": true}}'::jsonb
 """
 
