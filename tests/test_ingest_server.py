@@ -30,6 +30,8 @@ from agent_inbox.ingest import signatures
 from agent_inbox.ingest.app import build_app
 from agent_inbox.ingest.secrets import SecretStore, load_secrets
 
+from tests.runtime.support import wait_until
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 GITHUB_SECRET = "gh-secret-Vq93xZ"
@@ -334,10 +336,7 @@ def test_healthz_answers_503_when_the_database_does_not(base, database_url):
     status, answer = get(f"{base}/healthz")
     assert status == 503 and answer["status"] != "ok"
     # The pool replaces the dead connection: health comes back.
-    deadline = time.monotonic() + 20
-    while get(f"{base}/healthz")[0] != 200:
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
+    wait_until(lambda: get(f"{base}/healthz")[0] == 200, "/healthz to answer 200 again")
 
 def test_a_lost_database_connection_is_a_503_so_the_provider_retries(base, inbox, database_url):
     github(base, "alice", {"warm": True}, delivery="warm")  # a pooled connection exists
@@ -345,10 +344,8 @@ def test_a_lost_database_connection_is_a_503_so_the_provider_retries(base, inbox
     status, answer = github(base, "alice", {"n": 1}, delivery="retry-me")
     assert status == 503 and answer["error"]
     # The provider's retry lands.
-    deadline = time.monotonic() + 20
-    while (status := github(base, "alice", {"n": 1}, delivery="retry-me")[0]) == 503:
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
+    status = wait_until(lambda: (s := github(base, "alice", {"n": 1}, delivery="retry-me")[0]) != 503
+                        and s, "a retry that is not answered 503")
     assert status == 202
     assert ("github", "retry-me", {"n": 1}) in stored(inbox)
 

@@ -40,7 +40,7 @@ def _append(variable: str, line: str) -> None:
 
 
 def handle(batch, ctx):
-    where = "child" if multiprocessing.parent_process() is not None else "worker"
+    where = "handler-process" if multiprocessing.parent_process() is not None else "worker"
     _append("CHAOS_RUN_LOG", f"{where} {len(batch)} {time.time():.2f} {ctx.user} {ctx.gen} "
                              f"{','.join(f'{e.id}:{e.attempts}' for e in batch)}\n")
     if any(is_poison(event.payload) for event in batch):

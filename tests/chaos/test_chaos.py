@@ -278,7 +278,7 @@ def handler_calls(rig: Rig) -> dict[str, int]:
     calls = [line.split() for line in rig.run_log.read_text().splitlines()] \
         if rig.run_log.exists() else []
     return {"handler_calls": len(calls),
-            "child_runs": sum(1 for where, *_ in calls if where == "child")}
+            "handler_process_runs": sum(1 for where, *_ in calls if where == "handler-process")}
 
 
 RUN_LINE = re.compile(r"(lease lost|finished|finish refused by the fence) "
