@@ -1,53 +1,40 @@
-"""take_work locks the lease in the same statement whose snapshot it reads the
-events from: a run that another holder finished in between must not be claimed
-again. Found by the chaos suite; forced here.
+"""take_work claims from its statement's snapshot, but the claim re-checks every
+row it writes against the newest row version: an event whose run was finished
+after that snapshot is never claimed again. Found by the chaos suite (a second
+holder took over a lease just released and re-ran the event the first holder
+had finished); forced here.
 
-The interleaving: B's take_work starts (its snapshot has the victim's event
-pending) and is kept busy scanning many claimable events of users whose leases
-are held; meanwhile A takes the victim's lease, claims and finishes with release;
-then B reaches the victim, whose lease is free again, takes it over (gen 2) and
-runs its claim from the old snapshot.
+The interleaving, held in place by a row lock rather than by timing: A has
+claimed the victim's event and stalled (its lease expires). The transaction
+that commits A's outcome for that event is open, holding the row. B's
+take_work starts, so its snapshot still shows the event running under gen 1;
+B takes the expired lease over (gen 2), plans to reclaim the event as a retry,
+and its UPDATE waits on the row. The outcome commits; B's UPDATE then sees the
+newest version, which is no longer what it planned from.
 """
 
 import psycopg
 
-from agent_inbox import Result
-from agent_inbox.runs import Run
+from tests.races import Racers, wait_for_lock_waiters
 
-from tests.races import Racers
-from tests.runtime.support import wait_until
-
-# Claimable events that sort before the victim's, of users whose leases are held:
-# B's scan has to look at each of them and skip it.
-FILLER = """
-INSERT INTO events (user_id, source, source_id, payload, available_at)
-SELECT 'filler-' || (g % 50), 'f', g::text, '{}', 0 FROM generate_series(1, 300000) g
-"""
+T = 1_000_000
 
 
-def test_take_work_never_claims_events_finished_after_its_snapshot(database_url, make_inbox):
-    with psycopg.connect(database_url, autocommit=True) as conn:
-        conn.execute(FILLER)
-        conn.execute("UPDATE leases SET holder = 'busy', gen = 1, until = 4000000000")
-        conn.execute("ANALYZE events")
+def test_take_work_never_claims_an_event_finished_after_its_snapshot(database_url, make_inbox):
     a = make_inbox(application_name="holder-a", lease_ttl=30)
     b = make_inbox(application_name="holder-b", lease_ttl=30)
     a.ingest("victim", "chat", "e1", {"text": "hello"})
+    gen = a.acquire("victim", "A", now=T)
+    [claimed] = a.claim_batch("victim", "A", gen, now=T)
 
-    racer = Racers(lambda: b.take_work("B")).start()
-    wait_until(lambda: _active(database_url, "holder-b"), "B's take_work to be running")
-    gen = a.acquire("victim", "A")
-    events = a.claim_batch("victim", "A", gen)
-    assert a.finish_run(Run("victim", "A", gen, 0, events), Result(messages=["A handled e1"]))
-    [run] = racer.join()
+    with psycopg.connect(database_url) as outcome:
+        outcome.execute("UPDATE events SET status = 'done' WHERE id = %s", (claimed.id,))
+        racer = Racers(lambda: b.take_work("B", now=T + 100)).start()
+        wait_for_lock_waiters(database_url, 1, application_name="holder-b")
+        outcome.commit()
+        [run] = racer.join()
 
-    assert (gen, run.user, run.gen) == (1, "victim", 2), "the interleaving did not happen"
-    assert run.events == []                          # nothing claimed from the stale snapshot
+    assert (run.user, run.gen) == ("victim", gen + 1)  # B took the expired lease over
+    assert run.events == []                           # and claimed nothing stale
     [event] = a.events("victim")
-    assert (event.status, event.attempts, event.claim_gen) == ("done", 1, 1)
-
-
-def _active(url, application_name):
-    with psycopg.connect(url, autocommit=True) as conn:
-        return conn.execute("SELECT count(*) FROM pg_stat_activity WHERE application_name = %s "
-                            "AND state = 'active'", (application_name,)).fetchone()[0]
+    assert (event.status, event.attempts, event.claim_gen) == ("done", 1, gen)
