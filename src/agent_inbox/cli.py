@@ -77,7 +77,8 @@ def cmd_worker(args: argparse.Namespace) -> int:
                              retry_backoff=args.retry_backoff) as inbox:
         Worker(inbox, args.handler, concurrency=args.concurrency,
                poll_interval=args.poll_interval, grace=args.grace,
-               isolation=args.isolation, stop=stop).serve(args.database_url)
+               isolation=args.isolation, max_users_per_take=args.max_users_per_take,
+               stop=stop).serve(args.database_url)
     return 0
 
 
@@ -152,6 +153,10 @@ def build_parser() -> argparse.ArgumentParser:
                         default=env_default("isolation", "process"),
                         help="run each slot's handlers in a process of its own, so a crash "
                              "kills only that run (default), or in threads of the worker")
+    worker.add_argument("--max-users-per-take", type=int,
+                        default=env_default("max-users-per-take", 32),
+                        help="most users a slot takes at once while its handlers are quick "
+                             "(default 32; 1 takes one user at a time)")
     worker.set_defaults(run=cmd_worker)
 
     scheduler = _service_parser(commands, "scheduler", "turn due timers into inbox events", 5.0)

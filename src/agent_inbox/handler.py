@@ -2,13 +2,16 @@
 
 A handler is `handle(batch, ctx)` (or `async def`) returning `Result`, `None`
 (nothing to say) or raising. Whatever it does becomes a `Result`: an exception or
-a wrong return type is `Result(error=...)`.
+a wrong return type is `Result(error=...)`. A slot may hand over several users'
+runs at once; they run one after another, each its own call, and each answer
+comes back (with its duration) as soon as it is ready.
 
 Isolation (the default): each worker slot runs its handlers in a long-lived
 process of its own (`HandlerProcess`). An event that crashes its process (a
 poison event) kills only that slot's run: the worker and the other users' runs
 beside it live on, so healthy events are parked dead only by crashes of their
-own. The slot starts a new process and goes on. Thread mode (`run_in_thread`)
+own. The slot starts a new process and goes on with the runs after the one
+that crashed it. Thread mode (`run_in_thread`)
 shares the worker's process: cheaper, for handlers that cannot crash it.
 """
 
@@ -114,7 +117,8 @@ def _exit_with_parent(parent: int) -> None:
 
 
 def _serve_runs(reference: str, conn, lease_lost, parent: int) -> None:
-    """A handler process's loop: one run per message, until the pipe closes."""
+    """A handler process's loop: a list of runs per message, one answer per run
+    (result, seconds), until the pipe closes."""
     _exit_with_parent(parent)
     try:
         target = load(reference)
@@ -122,11 +126,14 @@ def _serve_runs(reference: str, conn, lease_lost, parent: int) -> None:
         target, problem = None, str(exc)
     while True:
         try:
-            batch, user, holder, gen = conn.recv()
+            runs = conn.recv()
         except EOFError:
             return
-        ctx = Context(user=user, holder=holder, gen=gen, lease_lost=lease_lost)
-        conn.send(call(target, batch, ctx) if target else Result(error=problem))
+        for batch, user, holder, gen in runs:
+            ctx = Context(user=user, holder=holder, gen=gen, lease_lost=lease_lost)
+            started = time.monotonic()
+            result = call(target, batch, ctx) if target else Result(error=problem)
+            conn.send((result, time.monotonic() - started))
 
 
 class HandlerProcess:
@@ -157,30 +164,49 @@ class HandlerProcess:
         if not running:
             self._start()
 
-    def run(self, batch: list[Event], ctx: Context) -> Result | None:
-        """The run's result; a crash of the process is the run's error. None if
-        the lease was lost first (the process is stopped: its answer would be
-        refused by the fence, and it may be stuck)."""
-        with self._guard:
-            current = (self._process, self._conn, self._lost)
-        process, conn, lost = current if current[0] and current[0].is_alive() else self._start()
-        lost.clear()
-        conn.send((batch, ctx.user, ctx.holder, ctx.gen))
-        while True:
+    def run(self, runs: list[tuple[list[Event], Context]]) -> list[tuple[Result | None, float]]:
+        """Each run's (result, seconds), in order. A crash of the process is the
+        error of the run it was in; the runs after it go to a new process. None
+        for a run whose lease was lost first (the process is stopped: its answer
+        would be refused by the fence, and it may be stuck)."""
+        answers: list[tuple[Result | None, float]] = []
+        while len(answers) < len(runs):
+            rest = runs[len(answers):]
+            if rest[0][1].lease_lost.is_set():
+                answers.append((None, 0.0))
+                continue
+            with self._guard:
+                current = (self._process, self._conn, self._lost)
+            process, conn, lost = current if current[0] and current[0].is_alive() else self._start()
+            lost.clear()
+            conn.send([(batch, ctx.user, ctx.holder, ctx.gen) for batch, ctx in rest])
+            answers += self._collect(process, conn, lost, [ctx for _, ctx in rest])
+        return answers
+
+    def _collect(self, process, conn, lost, contexts: list[Context]) -> list:
+        """Answers as they arrive; ends early at a run that crashed the process
+        or lost its lease (that run's answer is then an error, or None)."""
+        answers = []
+        started = time.monotonic()
+        while len(answers) < len(contexts):
             ready = wait_any([conn, process.sentinel], timeout=0.2)
             if conn in ready:
                 try:
-                    return conn.recv()
+                    answers.append(conn.recv())
+                    started = time.monotonic()
+                    continue
                 except (EOFError, OSError):
                     pass  # it died without an answer: its exit code says why
             if process.sentinel in ready:
                 process.join()
                 self.stop()
-                return Result(error=f"handler process died (exit code {process.exitcode})")
-            if ctx.lease_lost.is_set():
+                died = Result(error=f"handler process died (exit code {process.exitcode})")
+                return answers + [(died, time.monotonic() - started)]
+            if contexts[len(answers)].lease_lost.is_set():
                 lost.set()
                 self.stop()
-                return None
+                return answers + [(None, time.monotonic() - started)]
+        return answers
 
     def stop(self) -> None:
         with self._guard:

@@ -2,11 +2,12 @@
 fenced finish of everything a run produced.
 
 Invariant 3: a run's outcome, messages, timers and approval requests commit in
-one transaction whose first statement locks the user's lease row and whose
-finish statement checks holder, generation, expiry and the events' claim, or
-nothing commits. A worker pays one commit per run: the finish and the next take
-share a transaction, sent as one pipeline when the result has no timers or
-approvals.
+one transaction that locks the user's lease row first and whose finish
+statement checks holder, generation, expiry and the events' claim, or nothing of
+that run commits. A worker pays one commit per take: the finish of the runs it
+took and its next take share a transaction, sent as one pipeline when no result
+has timers or approvals. A take may hold several users (each its own run, lease
+and fence), so quick handlers share commits; see worker.py for when it does.
 """
 
 from dataclasses import dataclass
@@ -29,6 +30,21 @@ class Run:
     died: int = 0  # events this claim parked as dead (out of attempts)
 
 
+@dataclass(frozen=True)
+class Outcome:
+    """A run and its handler's result, checked and ready to commit."""
+
+    run: Run
+    error: str | None
+    messages: list[tuple[str, bool]]  # (body, urgent)
+    timer_rows: list[dict]
+    approval_rows: list[tuple[str, dict]]  # (request id, timer row)
+
+    @property
+    def writes_timers(self) -> bool:
+        return self.error is None and bool(self.timer_rows or self.approval_rows)
+
+
 class Runs:
     """Mixed into `agent_inbox.Inbox` (which owns `_pool`, `policy`, `lease_ttl`)."""
 
@@ -37,10 +53,18 @@ class Runs:
         users whose lease is free or expired, take the lease over and claim, in
         one statement; None if there is no such user. The run may hold no events
         (only exhausted ones were due, now parked dead): finish it all the same."""
+        runs = self.take_runs(holder, users=1, now=now)
+        return runs[0] if runs else None
+
+    def take_runs(self, holder: str, *, users: int, now: int | None = None) -> list[Run]:
+        """`take_work` for up to `users` users at once, longest waiting first,
+        each its own run under its own lease; empty if there is no work."""
         holder = validate.text("holder", holder)
+        users = validate.positive_int("users", users)
         now = validate.optional_epoch("now", now)
         with db.connection(self._pool) as conn:
-            return self._as_run(holder, inbox.take_work(conn, holder, self.lease_ttl, self.policy, now))
+            return self._as_runs(holder, inbox.take_work(conn, holder, self.lease_ttl,
+                                                         self.policy, now, users))
 
     def renew(self, user: str, holder: str, gen: int, *, now: int | None = None) -> int | None:
         """Extend a held lease by lease_ttl; its new expiry, or None if it was lost."""
@@ -60,64 +84,74 @@ class Runs:
             lease.lock(conn, user)
             return lease.release(conn, user, holder, gen, now)
 
-    def finish_run(self, run: Run, result: Result, *, release: bool = True,
-                   now: int | None = None) -> bool:
-        """Commit everything a run produced (its events' outcome, messages, timers,
-        approval requests) in one fenced transaction, and by default release the
-        lease in the same commit. False, with nothing written, if the fence refuses."""
-        accepted, _ = self._finish_run(run, result, release=release, now=now, next_holder=None)
-        return accepted
-
-    def finish_and_take(self, run: Run, result: Result, *,
-                        now: int | None = None) -> tuple[bool, Run | None]:
-        """`finish_run` (releasing the lease) and then `take_work` for the same
-        holder, in one transaction and, when the result has no timers or
-        approvals, one round trip: a worker pays one commit per run."""
-        return self._finish_run(run, result, release=True, now=now, next_holder=run.holder)
-
-    def _finish_run(self, run: Run, result: Result, *, release: bool, now: int | None,
-                    next_holder: str | None) -> tuple[bool, Run | None]:
+    def outcome(self, run: Run, result: Result) -> Outcome:
+        """Check a handler's result for committing; InvalidInput names what is wrong."""
         if not isinstance(result, Result):
             raise errors.InvalidInput("result", result, "must be an agent_inbox.Result")
-        now = validate.optional_epoch("now", now)
         error = None if result.error is None else validate.text("result.error", result.error)
         messages = [self._message(m) for m in validate.sequence("result.messages", result.messages)]
         timer_rows = [self._timer_row(t) for t in validate.sequence("result.timers", result.timers)]
         approval_rows = [self._approval_row(a)
                          for a in validate.sequence("result.approvals", result.approvals)]
-        finish = (run.user, run.holder, run.gen, [e.id for e in run.events], messages, error, now)
-        taken = None
+        return Outcome(run, error, messages, timer_rows, approval_rows)
+
+    def finish_run(self, run: Run, result: Result, *, release: bool = True,
+                   now: int | None = None) -> bool:
+        """Commit everything a run produced (its events' outcome, messages, timers,
+        approval requests) in one fenced transaction, and by default release the
+        lease in the same commit. False, with nothing written, if the fence refuses."""
+        [accepted], _ = self.finish_runs([self.outcome(run, result)], release=release, now=now)
+        return accepted
+
+    def finish_runs(self, outcomes: list[Outcome], *, release: bool = True,
+                    take_as: str | None = None, take_users: int = 1,
+                    now: int | None = None) -> tuple[list[bool], list[Run]]:
+        """Commit several runs in one transaction, each behind its own fence (a
+        refused run writes nothing; the others commit), then, with `take_as`,
+        take that holder's next runs (up to `take_users` users) in the same
+        transaction. The accepted flags in the order given, and the runs taken."""
+        now = validate.optional_epoch("now", now)
+        users = sorted(o.run.user for o in outcomes)
         with db.connection(self._pool) as conn:
-            if error is None and (timer_rows or approval_rows):
-                # Timers and approvals are written only once the fence has said yes.
+            if any(o.writes_timers for o in outcomes):
+                # Timers and approvals are written only once their fence has said yes.
                 with conn.transaction():
-                    lease.lock(conn, run.user)
-                    accepted = inbox.finish(conn, *finish, release=release)
-                    if accepted:
-                        for row in timer_rows:
-                            timers.upsert(conn, run.user, **row)
-                        for request_id, row in approval_rows:
-                            timers.upsert(conn, run.user, approvals.expiry_timer_id(request_id),
-                                          base=now, **row)
-                    if next_holder:
-                        taken = inbox.take_work(conn, next_holder, self.lease_ttl, self.policy, now)
+                    conn.execute(lease.LOCK_MANY, {"users": users})
+                    accepted = [self._finish_with_timers(conn, o, release, now) for o in outcomes]
+                    taken = (inbox.take_work(conn, take_as, self.lease_ttl, self.policy, now,
+                                             take_users) if take_as else [])
             else:
-                # Lock, fenced finish, next claim and commit, sent as one pipeline.
+                # Locks, fenced finishes, next claims and commit, sent as one pipeline.
                 with db.pipelined_transaction(conn):
-                    conn.execute(lease.LOCK, {"user": run.user})
-                    verdict = inbox.send_finish(conn, *finish, release=release)
-                    pending = (inbox.send_take_work(conn, next_holder, self.lease_ttl, self.policy,
-                                                    now) if next_holder else None)
-                accepted = verdict.fetchone()[0]
-                taken = inbox.read_taken(pending) if pending else None
-        return accepted, self._as_run(next_holder, taken)
+                    if users:
+                        conn.execute(lease.LOCK_MANY, {"users": users})
+                    verdicts = [inbox.send_finish(conn, *self._finish_args(o, now), release=release)
+                                for o in outcomes]
+                    pending = (inbox.send_take_work(conn, take_as, self.lease_ttl, self.policy,
+                                                    now, take_users) if take_as else None)
+                accepted = [verdict.fetchone()[0] for verdict in verdicts]
+                taken = inbox.read_taken(pending) if pending else []
+        return accepted, self._as_runs(take_as, taken)
 
     @staticmethod
-    def _as_run(holder: str | None, taken) -> Run | None:
-        if taken is None:
-            return None
-        user, gen, claimed_at, died, events = taken
-        return Run(user, holder, gen, claimed_at, events, died)
+    def _finish_args(o: Outcome, now: int | None) -> tuple:
+        run = o.run
+        return run.user, run.holder, run.gen, [e.id for e in run.events], o.messages, o.error, now
+
+    def _finish_with_timers(self, conn, o: Outcome, release: bool, now: int | None) -> bool:
+        accepted = inbox.finish(conn, *self._finish_args(o, now), release=release)
+        if accepted:
+            for row in o.timer_rows:
+                timers.upsert(conn, o.run.user, **row)
+            for request_id, row in o.approval_rows:
+                timers.upsert(conn, o.run.user, approvals.expiry_timer_id(request_id),
+                              base=now, **row)
+        return accepted
+
+    @staticmethod
+    def _as_runs(holder: str | None, taken: list[tuple]) -> list[Run]:
+        return [Run(user, holder, gen, claimed_at, events, died)
+                for user, gen, claimed_at, died, events in taken]
 
     def _message(self, message) -> tuple[str, bool]:
         if isinstance(message, Message):

@@ -3,6 +3,7 @@
 import asyncio
 import os
 import signal
+import time
 
 from agent_inbox import ApprovalRequest, Message, Result, TimerRequest
 
@@ -56,3 +57,9 @@ def hold_until_released(batch, ctx):
 
 def message_not_in_a_list(batch, ctx):
     return Result(messages="hello")
+
+
+def slow(batch, ctx):
+    """A handler slower than a take's budget (as an LLM call would be)."""
+    time.sleep(0.08)
+    return Result(messages=["slow"])

@@ -149,3 +149,36 @@ def test_take_work_prefers_the_user_waiting_longest(inbox):
     order = [inbox.take_work(f"w{n}", now=T).user for n in range(3)]
     assert order == ["early", "middle", "late"]
     assert inbox.take_work("w4", now=T) is None
+
+
+# --- several users per take ------------------------------------------------------
+
+def test_quick_handlers_grow_the_take_to_several_users(inbox, worker):
+    for user in ("first", "a", "b", "c"):
+        inbox.ingest(user, "chat", "1", {})
+    w = worker(inbox, "echo", max_users_per_take=8)
+    assert w.run_once(now=T)["runs"] == 1                 # a slot's first take: one user
+    assert w.run_once(now=T) == {"runs": 3, "events": 3, "accepted": 3}  # taken by that finish
+    assert [m.body for u in "abc" for m in inbox.outbox(u)] == ["a:1", "b:1", "c:1"]
+    assert {inbox.acquire(u, "other", now=T) for u in "abc"} == {2}     # all released
+
+
+def test_slow_handlers_are_taken_one_user_at_a_time(inbox, worker):
+    for user in ("a", "b", "c"):
+        inbox.ingest(user, "chat", "1", {})
+    w = worker(inbox, "slow", max_users_per_take=8)
+    assert [w.run_once(now=T)["runs"] for _ in range(4)] == [1, 1, 1, 0]
+
+
+def test_a_crash_in_a_shared_take_costs_only_the_run_it_was_in(inbox, worker):
+    inbox.ingest("first", "chat", "1", {})
+    for user in ("a", "b", "c"):
+        inbox.ingest(user, "chat", "1", {"poison": user == "b"})
+    w = worker(inbox, "crash_process", max_users_per_take=8)
+    w.run_once(now=T)                                     # grows the next take to a, b, c
+    assert w.run_once(now=T) == {"runs": 3, "events": 3, "accepted": 3}
+    a, b, c = (inbox.events(u)[0] for u in "abc")
+    assert (a.status, c.status) == ("done", "done")       # c ran in a new process
+    assert (b.status, b.attempts) == ("pending", 1)
+    assert "handler process died (exit code -9)" in b.error
+    assert [m.body for u in "ac" for m in inbox.outbox(u)] == ["ok", "ok"]

@@ -63,7 +63,8 @@ def insert_many(conn, rows: list[tuple[str, str, str, str]]) -> list[bool]:
 
 
 # Invariant 4, as CTEs that follow a CTE `run(user_id, gen, now)` naming the
-# user whose lease the caller holds (locked) and the generation claiming:
+# users whose leases the caller holds (locked) and the generation claiming each
+# (one row per user; each user's claim is made on its own):
 #   rows left running by an older generation count as pending again;
 #   open rows with attempts >= max_attempts become dead;
 #   the oldest due retry (attempts > 0, available_at <= now) is claimed alone,
@@ -75,20 +76,22 @@ def insert_many(conn, rows: list[tuple[str, str, str, str]]) -> list[bool]:
 # against the snapshot's (status, attempts), so a stale row is never claimed.
 CLAIM_STEPS = f"""
 open AS (
-    SELECT e.id, e.status, e.attempts,
+    SELECT e.user_id, e.id, e.status, e.attempts,
            e.attempts >= %(max_attempts)s AS exhausted, e.available_at <= run.now AS due
       FROM events e, run
      WHERE e.user_id = run.user_id
        AND (e.status = 'pending' OR (e.status = 'running' AND e.claim_gen < run.gen))
 ), retry AS (
-    SELECT min(id) AS id FROM open WHERE NOT exhausted AND attempts > 0 AND due
+    SELECT user_id, min(id) AS id FROM open
+     WHERE NOT exhausted AND attempts > 0 AND due
+     GROUP BY user_id
 ), plan AS (
-    SELECT o.id, o.status AS old_status, o.attempts AS old_attempts,
+    SELECT o.user_id, o.id, o.status AS old_status, o.attempts AS old_attempts,
            CASE WHEN o.exhausted THEN 'dead'
                 WHEN r.id IS NOT NULL AND o.id = r.id THEN 'running'
                 WHEN r.id IS NULL AND o.attempts = 0 THEN 'running'
                 ELSE 'pending' END AS status
-      FROM open o CROSS JOIN retry r
+      FROM open o LEFT JOIN retry r ON r.user_id = o.user_id
 ), changed AS (
     UPDATE events e
        SET status = p.status,
@@ -102,7 +105,7 @@ open AS (
                                ELSE e.available_at END,
            error = CASE WHEN p.status = 'dead' THEN 'too many attempts' ELSE e.error END
       FROM plan p, run
-     WHERE e.user_id = run.user_id AND e.id = p.id
+     WHERE e.user_id = run.user_id AND p.user_id = run.user_id AND e.id = p.id
        AND (p.status <> 'pending' OR p.old_status <> 'pending')
        -- re-checked on the newest row version: a row another run changed since
        -- this statement's snapshot (every claim and finish changes its status
@@ -131,59 +134,71 @@ def send_claim(conn, user: str, holder: str, gen: int, policy: ClaimPolicy, now:
     return conn.cursor(row_factory=class_row(Event)).execute(CLAIM, params)
 
 
-# Spans users (finding work), then one user's claim, in one statement and one
-# round trip: the user whose oldest claimable event has waited longest, among
-# users whose lease is free or expired; lease rows other workers are taking are
-# skipped, never waited on; the chosen lease is taken over (gen + 1) and its
-# claim made. Only open events are read, through ix_events_claimable, so the
-# cost follows the work waiting, not the number of idle users.
+# Spans users (finding work), then their claims, in one statement and one round
+# trip: up to %(users)s users, those whose oldest claimable event has waited
+# longest, among users whose lease is free or expired; lease rows other workers
+# are taking are skipped, never waited on; each chosen lease is taken over
+# (gen + 1) and its claim made. The scan locks as it goes, so it never comes back
+# empty while a free user has work; a user with many events may fill several of
+# the `users` rows, giving fewer users, never none. Only open events are read,
+# through ix_events_claimable, so the cost follows the work waiting, not the
+# number of idle users.
 TAKE_WORK = f"""
 WITH clock AS (
     SELECT {NOW} AS now
 ), pick AS (
-    SELECT l.user_id
+    SELECT l.user_id, e.available_at, e.id
       FROM events e JOIN leases l ON l.user_id = e.user_id, clock
      WHERE e.status IN ('pending', 'running')
        AND (e.attempts = 0 OR e.available_at <= clock.now)
        AND l.until < clock.now
      ORDER BY e.available_at, e.id
-     LIMIT 1
+     LIMIT %(users)s
        FOR UPDATE OF l SKIP LOCKED
+), picked AS (
+    SELECT user_id, min(available_at) AS waiting_since, min(id) AS first_id
+      FROM pick GROUP BY user_id
 ), took AS (
     UPDATE leases l
        SET holder = %(holder)s, gen = l.gen + 1, until = clock.now + %(ttl)s
-      FROM pick, clock
-     WHERE l.user_id = pick.user_id
- RETURNING l.user_id, l.gen
+      FROM picked, clock
+     WHERE l.user_id = picked.user_id
+ RETURNING l.user_id, l.gen, picked.waiting_since, picked.first_id
 ), run AS (
     SELECT took.user_id, took.gen, clock.now FROM took, clock
-), {CLAIM_STEPS}
-SELECT run.user_id, run.gen, run.now,
-       (SELECT count(*) FROM changed WHERE status = 'dead') AS died, claimed.*
-  FROM run LEFT JOIN claimed ON true
- ORDER BY claimed.id
+), {CLAIM_STEPS}, deaths AS (
+    SELECT user_id, count(*) AS died FROM changed WHERE status = 'dead' GROUP BY user_id
+)
+SELECT took.user_id, took.gen, clock.now, coalesce(deaths.died, 0), claimed.*
+  FROM took CROSS JOIN clock
+       LEFT JOIN deaths ON deaths.user_id = took.user_id
+       LEFT JOIN claimed ON claimed."user" = took.user_id
+ ORDER BY took.waiting_since, took.first_id, claimed.id
 """
 
 
-def send_take_work(conn, holder: str, ttl: int, policy: ClaimPolicy, now: int | None):
+def send_take_work(conn, holder: str, ttl: int, policy: ClaimPolicy, now: int | None,
+                   users: int = 1):
     """Send TAKE_WORK without reading the answer (pipeline mode); read_taken reads it."""
-    return conn.execute(TAKE_WORK, {"holder": holder, "ttl": ttl, "now": now, **policy.params()})
+    params = {"holder": holder, "ttl": ttl, "now": now, "users": users, **policy.params()}
+    return conn.execute(TAKE_WORK, params)
 
 
-def take_work(conn, holder: str, ttl: int, policy: ClaimPolicy, now: int | None):
-    return read_taken(send_take_work(conn, holder, ttl, policy, now))
+def take_work(conn, holder: str, ttl: int, policy: ClaimPolicy, now: int | None, users: int = 1):
+    return read_taken(send_take_work(conn, holder, ttl, policy, now, users))
 
 
-def read_taken(cursor):
-    """(user, gen, claimed_at, died, events) for the user taken, or None if no
-    user has claimable work whose lease is free; `died` counts the events this
-    claim parked as dead."""
-    rows = cursor.fetchall()
-    if not rows:
-        return None
-    user, gen, claimed_at, died = rows[0][:4]
-    events = [Event(*row[4:]) for row in rows if row[4] is not None]
-    return user, gen, claimed_at, died, events
+def read_taken(cursor) -> list[tuple]:
+    """One (user, gen, claimed_at, died, events) per user taken, longest waiting
+    first; empty if no user with claimable work has a free lease. `died` counts
+    the events this claim parked as dead."""
+    taken: dict[str, tuple] = {}
+    for row in cursor.fetchall():
+        user, gen, claimed_at, died = row[:4]
+        events = taken.setdefault(user, (user, gen, claimed_at, died, []))[4]
+        if row[4] is not None:
+            events.append(Event(*row[4:]))
+    return list(taken.values())
 
 
 # Invariant 3: the outcome is written only if this holder holds this generation,

@@ -31,6 +31,13 @@ def lock(conn, user: str) -> Lease | None:
     return Lease(*row) if row else None
 
 
+# Several users' leases in one statement, always in user order: transactions
+# that lock overlapping sets wait for each other instead of deadlocking.
+LOCK_MANY = """
+SELECT user_id FROM leases WHERE user_id = ANY(%(users)s::text[]) ORDER BY user_id FOR UPDATE
+"""
+
+
 # A user's first acquire: an expired gen-0 lease that the next step takes over.
 CREATE_EXPIRED = """
 INSERT INTO leases (user_id, holder, gen, until) VALUES (%(user)s, '', 0, -1)

@@ -1,0 +1,86 @@
+"""Several users per take: each user its own run, lease, generation and fence;
+the take never returns empty while a free user has work; concurrent takers never
+share a user; one refused fence in a shared finish commits nothing of that run
+and everything of the others."""
+
+import psycopg
+import pytest
+
+from agent_inbox import Result
+from agent_inbox.errors import InvalidInput
+from agent_inbox.runs import Run
+from tests.races import Racers, wait_for_lock_waiters
+
+T = 1_000_000
+
+
+def ingest_in_order(inbox, keys):
+    for user, key in keys:
+        inbox.ingest(user, "chat", key, {"k": key})
+
+
+def test_a_take_holds_distinct_users_longest_waiting_first(inbox):
+    ingest_in_order(inbox, [("b", "1"), ("a", "1"), ("c", "1"), ("a", "2"), ("d", "1")])
+    runs = inbox.take_runs("H", users=3, now=T)
+    assert [(r.user, r.gen, [e.source_id for e in r.events]) for r in runs] == [
+        ("b", 1, ["1"]), ("a", 1, ["1", "2"]), ("c", 1, ["1"])]
+    assert all(e.user == r.user and e.claim_gen == r.gen for r in runs for e in r.events)
+    [d] = inbox.events("d")
+    assert (d.status, d.attempts) == ("pending", 0)           # not taken: the take was full
+
+
+def test_a_user_with_many_events_gives_fewer_users_never_none(inbox):
+    ingest_in_order(inbox, [("busy", str(n)) for n in range(10)] + [("late", "1")])
+    [run] = inbox.take_runs("H", users=4, now=T)
+    assert (run.user, len(run.events)) == ("busy", 10)
+    [late] = inbox.take_runs("H", users=4, now=T)
+    assert late.user == "late"
+    assert inbox.take_runs("H", users=4, now=T) == []
+
+
+def test_a_refused_fence_in_a_shared_finish_leaves_the_other_runs_committed(inbox):
+    ingest_in_order(inbox, [("a", "1"), ("b", "1"), ("c", "1")])
+    a, b, c = inbox.take_runs("H", users=3, now=T)
+    stale_b = Run(b.user, b.holder, b.gen + 1, b.claimed_at, b.events)  # a generation not held
+    outcomes = [inbox.outcome(run, Result(messages=[f"to {run.user}"])) for run in (a, stale_b, c)]
+    accepted, taken = inbox.finish_runs(outcomes, now=T + 1)
+    assert (accepted, taken) == ([True, False, True], [])
+    assert [m.body for u in "abc" for m in inbox.outbox(u)] == ["to a", "to c"]
+    assert [inbox.events(u)[0].status for u in "abc"] == ["done", "running", "done"]
+    assert inbox.acquire("a", "other", now=T + 1) == 2        # released in the same commit
+    assert inbox.acquire("b", "other", now=T + 1) is None     # b's lease still held by H
+
+
+def test_a_shared_finish_takes_the_holders_next_users_in_the_same_commit(inbox):
+    ingest_in_order(inbox, [("a", "1"), ("b", "1"), ("c", "1"), ("d", "1")])
+    first = inbox.take_runs("H", users=2, now=T)
+    outcomes = [inbox.outcome(run, Result()) for run in first]
+    accepted, following = inbox.finish_runs(outcomes, take_as="H", take_users=2, now=T + 1)
+    assert accepted == [True, True]
+    assert [(r.user, r.holder, r.gen) for r in following] == [("c", "H", 1), ("d", "H", 1)]
+
+
+def test_concurrent_takers_never_share_a_user(database_url, make_inbox, inbox):
+    """Eight takers of eight users each, released at once from behind a table lock."""
+    ingest_in_order(inbox, [(f"u{n:02}", str(k)) for k in range(2) for n in range(40)])
+    racers = [make_inbox(application_name=f"taker-{i}") for i in range(8)]
+    with psycopg.connect(database_url) as blocker:
+        blocker.execute("LOCK TABLE leases IN EXCLUSIVE MODE")
+        started = Racers(*[lambda ib=ib, i=i: ib.take_runs(f"H{i}", users=8, now=T)
+                           for i, ib in enumerate(racers)]).start()
+        wait_for_lock_waiters(database_url, 8, application_name="taker-%")
+        blocker.rollback()
+        takes = started.join()
+
+    taken = [run for take in takes for run in take]
+    users = [run.user for run in taken]
+    assert len(users) == len(set(users)) and len(users) >= 8
+    assert all(len(run.events) == 2 and run.gen == 1 for run in taken)
+    with psycopg.connect(database_url) as conn:
+        holders = dict(conn.execute("SELECT user_id, holder FROM leases WHERE gen = 1").fetchall())
+    assert holders == {run.user: run.holder for run in taken}
+
+
+def test_take_runs_rejects_a_take_of_no_users(inbox):
+    with pytest.raises(InvalidInput, match="users"):
+        inbox.take_runs("H", users=0)
