@@ -84,3 +84,29 @@ def test_concurrent_takers_never_share_a_user(database_url, make_inbox, inbox):
 def test_take_runs_rejects_a_take_of_no_users(inbox):
     with pytest.raises(InvalidInput, match="users"):
         inbox.take_runs("H", users=0)
+
+
+def test_a_run_given_back_unstarted_costs_its_events_nothing(inbox):
+    ingest_in_order(inbox, [("a", "1"), ("b", "1")])
+    gen = inbox.acquire("a", "W", now=T)
+    [event] = inbox.claim_batch("a", "W", gen, now=T)
+    assert inbox.finish("a", "W", gen, [event.id], error="flaky", now=T)  # attempt 1 failed
+    [a, b] = inbox.take_runs("H", users=2, now=T + 1000)                  # a's retry is due
+    assert [e.attempts for e in a.events] == [2]
+
+    assert inbox.hand_back([a, b], now=T + 1000) == ["a", "b"]
+    [retry] = inbox.events("a")
+    assert (retry.status, retry.attempts, retry.error) == ("pending", 1, "flaky")
+    [fresh] = inbox.events("b")
+    assert (fresh.status, fresh.attempts) == ("pending", 0)
+    assert inbox.finish("b", "H", b.gen, [fresh.id], now=T + 1000) is False  # still fenced
+    assert inbox.hand_back([b], now=T + 1000) == []                          # not held: no-op
+    assert [r.user for r in inbox.take_runs("H2", users=2, now=T + 1000)] == ["a", "b"]
+
+
+def test_a_holder_gives_back_the_runs_a_lost_commit_took_unseen(inbox):
+    ingest_in_order(inbox, [("a", "1"), ("b", "1"), ("c", "1")])
+    inbox.take_runs("H", users=3, now=T)
+    assert sorted(inbox.hand_back_orphans("H", ["a"], now=T)) == ["b", "c"]
+    assert [inbox.events(u)[0].status for u in "abc"] == ["running", "pending", "pending"]
+    assert inbox.acquire("a", "other", now=T) is None          # kept

@@ -2,16 +2,13 @@
 
 A handler is `handle(batch, ctx)` (or `async def`) returning `Result`, `None`
 (nothing to say) or raising. Whatever it does becomes a `Result`: an exception or
-a wrong return type is `Result(error=...)`. A slot may hand over several users'
-runs at once; they run one after another, each its own call, and each answer
-comes back (with its duration) as soon as it is ready.
+a wrong return type is `Result(error=...)`.
 
 Isolation (the default): each worker slot runs its handlers in a long-lived
 process of its own (`HandlerProcess`). An event that crashes its process (a
 poison event) kills only that slot's run: the worker and the other users' runs
 beside it live on, so healthy events are parked dead only by crashes of their
-own. The slot starts a new process and goes on with the runs after the one
-that crashed it. Thread mode (`run_in_thread`)
+own. The slot starts a new process and goes on. Thread mode (`run_in_thread`)
 shares the worker's process: cheaper, for handlers that cannot crash it.
 """
 
@@ -117,8 +114,8 @@ def _exit_with_parent(parent: int) -> None:
 
 
 def _serve_runs(reference: str, conn, lease_lost, parent: int) -> None:
-    """A handler process's loop: a list of runs per message, one answer per run
-    (result, seconds), until the pipe closes."""
+    """A handler process's loop: one run per message, answered with (result,
+    seconds the handler took), until the pipe closes."""
     _exit_with_parent(parent)
     try:
         target = load(reference)
@@ -126,14 +123,13 @@ def _serve_runs(reference: str, conn, lease_lost, parent: int) -> None:
         target, problem = None, str(exc)
     while True:
         try:
-            runs = conn.recv()
+            batch, user, holder, gen = conn.recv()
         except EOFError:
             return
-        for batch, user, holder, gen in runs:
-            ctx = Context(user=user, holder=holder, gen=gen, lease_lost=lease_lost)
-            started = time.monotonic()
-            result = call(target, batch, ctx) if target else Result(error=problem)
-            conn.send((result, time.monotonic() - started))
+        ctx = Context(user=user, holder=holder, gen=gen, lease_lost=lease_lost)
+        started = time.monotonic()
+        result = call(target, batch, ctx) if target else Result(error=problem)
+        conn.send((result, time.monotonic() - started))
 
 
 class HandlerProcess:
@@ -164,49 +160,38 @@ class HandlerProcess:
         if not running:
             self._start()
 
-    def run(self, runs: list[tuple[list[Event], Context]]) -> list[tuple[Result | None, float]]:
-        """Each run's (result, seconds), in order. A crash of the process is the
-        error of the run it was in; the runs after it go to a new process. None
-        for a run whose lease was lost first (the process is stopped: its answer
-        would be refused by the fence, and it may be stuck)."""
-        answers: list[tuple[Result | None, float]] = []
-        while len(answers) < len(runs):
-            rest = runs[len(answers):]
-            if rest[0][1].lease_lost.is_set():
-                answers.append((None, 0.0))
-                continue
-            with self._guard:
-                current = (self._process, self._conn, self._lost)
-            process, conn, lost = current if current[0] and current[0].is_alive() else self._start()
-            lost.clear()
-            conn.send([(batch, ctx.user, ctx.holder, ctx.gen) for batch, ctx in rest])
-            answers += self._collect(process, conn, lost, [ctx for _, ctx in rest])
-        return answers
-
-    def _collect(self, process, conn, lost, contexts: list[Context]) -> list:
-        """Answers as they arrive; ends early at a run that crashed the process
-        or lost its lease (that run's answer is then an error, or None)."""
-        answers = []
+    def run(self, batch: list[Event], ctx: Context) -> tuple[Result | None, float]:
+        """The run's result and the seconds its handler took; a crash of the
+        process is the run's error. None if the lease was lost first (the
+        process is stopped: its answer would be refused by the fence, and it may
+        be stuck)."""
+        with self._guard:
+            current = (self._process, self._conn, self._lost)
+        process, conn, lost = current if current[0] and current[0].is_alive() else self._start()
+        lost.clear()
         started = time.monotonic()
-        while len(answers) < len(contexts):
+        try:
+            conn.send((batch, ctx.user, ctx.holder, ctx.gen))
+        except OSError:  # it died after the check: start afresh, nothing ran yet
+            self.stop()
+            process, conn, lost = self._start()
+            conn.send((batch, ctx.user, ctx.holder, ctx.gen))
+        while True:
             ready = wait_any([conn, process.sentinel], timeout=0.2)
             if conn in ready:
                 try:
-                    answers.append(conn.recv())
-                    started = time.monotonic()
-                    continue
+                    return conn.recv()
                 except (EOFError, OSError):
                     pass  # it died without an answer: its exit code says why
             if process.sentinel in ready:
                 process.join()
                 self.stop()
                 died = Result(error=f"handler process died (exit code {process.exitcode})")
-                return answers + [(died, time.monotonic() - started)]
-            if contexts[len(answers)].lease_lost.is_set():
+                return died, time.monotonic() - started
+            if ctx.lease_lost.is_set():
                 lost.set()
                 self.stop()
-                return answers + [(None, time.monotonic() - started)]
-        return answers
+                return None, time.monotonic() - started
 
     def stop(self) -> None:
         with self._guard:

@@ -103,21 +103,27 @@ class Runs:
         [accepted], _ = self.finish_runs([self.outcome(run, result)], release=release, now=now)
         return accepted
 
-    def finish_runs(self, outcomes: list[Outcome], *, release: bool = True,
-                    take_as: str | None = None, take_users: int = 1,
+    def finish_runs(self, outcomes: list[Outcome], *, hand_back: list[Run] = (),
+                    release: bool = True, take_as: str | None = None, take_users: int = 1,
                     now: int | None = None) -> tuple[list[bool], list[Run]]:
         """Commit several runs in one transaction, each behind its own fence (a
-        refused run writes nothing; the others commit), then, with `take_as`,
-        take that holder's next runs (up to `take_users` users) in the same
-        transaction. The accepted flags in the order given, and the runs taken."""
+        refused run writes nothing; the others commit); give back the runs in
+        `hand_back`, whose handlers never started (their claims undone, attempts
+        included); then, with `take_as`, take that holder's next runs (up to
+        `take_users` users) in the same transaction. The accepted flags in the
+        order given, and the runs taken."""
         now = validate.optional_epoch("now", now)
-        users = sorted(o.run.user for o in outcomes)
+        if take_as is not None:
+            take_as = validate.text("take_as", take_as)
+            take_users = validate.positive_int("take_users", take_users)
+        users = sorted([o.run.user for o in outcomes] + [run.user for run in hand_back])
         with db.connection(self._pool) as conn:
             if any(o.writes_timers for o in outcomes):
                 # Timers and approvals are written only once their fence has said yes.
                 with conn.transaction():
                     conn.execute(lease.LOCK_MANY, {"users": users})
                     accepted = [self._finish_with_timers(conn, o, release, now) for o in outcomes]
+                    self._send_hand_back(conn, hand_back, now)
                     taken = (inbox.take_work(conn, take_as, self.lease_ttl, self.policy, now,
                                              take_users) if take_as else [])
             else:
@@ -127,11 +133,43 @@ class Runs:
                         conn.execute(lease.LOCK_MANY, {"users": users})
                     verdicts = [inbox.send_finish(conn, *self._finish_args(o, now), release=release)
                                 for o in outcomes]
+                    self._send_hand_back(conn, hand_back, now)
                     pending = (inbox.send_take_work(conn, take_as, self.lease_ttl, self.policy,
                                                     now, take_users) if take_as else None)
                 accepted = [verdict.fetchone()[0] for verdict in verdicts]
                 taken = inbox.read_taken(pending) if pending else []
         return accepted, self._as_runs(take_as, taken)
+
+    def hand_back(self, runs: list[Run], *, now: int | None = None) -> list[str]:
+        """Give back runs whose handlers never started: leases expired at once,
+        claims undone (attempts included). A run whose lease is no longer held
+        is left alone. The users given back."""
+        now = validate.optional_epoch("now", now)
+        with db.transaction(self._pool) as conn:
+            conn.execute(lease.LOCK_MANY, {"users": sorted(run.user for run in runs)})
+            answers = self._send_hand_back(conn, runs, now)
+            return [user for answer in answers for user, in answer.fetchall()]
+
+    def hand_back_orphans(self, holder: str, keep: list[str], *, now: int | None = None) -> list[str]:
+        """Give back every unexpired lease `holder` holds except those of `keep`
+        (runs a lost commit may have taken unseen); the users given back."""
+        holder = validate.text("holder", holder)
+        now = validate.optional_epoch("now", now)
+        with db.transaction(self._pool) as conn:
+            rows = conn.execute(lease.HAND_BACK_ORPHANS,
+                                {"holder": holder, "keep": list(keep), "now": now}).fetchall()
+        return [user for user, in rows]
+
+    @staticmethod
+    def _send_hand_back(conn, runs: list[Run], now: int | None) -> list:
+        """One HAND_BACK per holder; the cursors answer the users given back."""
+        answers = []
+        for holder in sorted({run.holder for run in runs}):
+            mine = [run for run in runs if run.holder == holder]
+            answers.append(conn.execute(lease.HAND_BACK, {
+                "holder": holder, "users": [r.user for r in mine], "gens": [r.gen for r in mine],
+                "now": now}))
+        return answers
 
     @staticmethod
     def _finish_args(o: Outcome, now: int | None) -> tuple:

@@ -53,7 +53,9 @@ class ActiveRun:
     ctx: Context
     wake: threading.Event
     lease_started: float  # host monotonic time just before the lease was last extended
+    started: bool = False  # its handler was called: it can no longer be given back
     finishing: bool = False  # the fenced finish has begun: it decides, not renewal
+    settled: bool = False  # finished, given back, released or lost: nothing left to do
 
 
 class Worker:
@@ -83,7 +85,9 @@ class Worker:
     def run_once(self, slot: int = 0, *, now: int | None = None) -> dict[str, int]:
         """Run the users' work this slot holds, one run per user, and finish it.
         The work is what the slot's previous finish took (one commit per take),
-        else a fresh take. Counts: runs, events, accepted (finishes accepted)."""
+        else a fresh take. Whatever this does not settle (an error midway) is
+        released, or given back if its handler never started. Counts: runs (handlers
+        called, or runs of dead events only), events, accepted (finishes accepted)."""
         carried = self._carried.pop(slot, None)
         if carried is None:
             started = time.monotonic()
@@ -97,14 +101,15 @@ class Worker:
         with self._lock:
             self._active.update(((a.run.holder, a.run.user), a) for a in actives)
         try:
-            results, handler_seconds = self._execute(actives, slot)
-            self._size_next_take(slot, handler_seconds, len(actives))
-            accepted = self._finish(actives, results, slot, now) if actives else []
+            results = self._execute(actives, slot)
+            accepted = self._finish(actives, results, slot, now)
         finally:
+            self._abandon([a for a in actives if not a.settled], "abandoned", now)
             with self._lock:
                 for active in actives:
                     self._active.pop((active.run.holder, active.run.user), None)
-        return {"runs": len(runs), "events": sum(len(run.events) for run in runs),
+        ran = [actives[n].run for n in results]
+        return {"runs": len(ran), "events": sum(len(run.events) for run in ran),
                 "accepted": sum(accepted)}
 
     @staticmethod
@@ -117,78 +122,99 @@ class Worker:
             metrics.DEAD.inc(run.died)
             log.warning("events dead user=%s gen=%s count=%d", run.user, run.gen, run.died)
 
-    def _execute(self, actives: list[ActiveRun], slot: int) -> tuple[list[Result | None], float]:
-        """Each run's result (None: its lease was lost), handlers one after another,
-        and the seconds the handlers took."""
-        results: list[Result | None] = [Result()] * len(actives)  # no events: only dead ones were due
-        working = [n for n, active in enumerate(actives) if active.run.events]
-        if self.processes and working:
-            answers = self.processes[slot].run([(actives[n].run.events, actives[n].ctx)
-                                                for n in working])
-        else:
-            answers = [self._in_thread(actives[n]) for n in working]
-        for n, (result, seconds) in zip(working, answers):
+    def _execute(self, actives: list[ActiveRun], slot: int) -> dict[int, Result | None]:
+        """Run the handlers one after another: each started run's result (None:
+        its lease was lost meanwhile), by position. A run is not started once
+        its lease is lost, the worker is stopping, or the handlers before it
+        have used up TAKE_BUDGET; the finish gives those back. The seconds the
+        handlers took size the slot's next take."""
+        results: dict[int, Result | None] = {}
+        began, seconds, called = time.monotonic(), 0.0, 0
+        for n, active in enumerate(actives):
+            if not active.run.events:  # only exhausted events were due: they are dead now
+                results[n] = Result()
+                continue
+            if (self.stop.is_set() or active.ctx.lease_lost.is_set()
+                    or (called and time.monotonic() - began > TAKE_BUDGET)):
+                continue
+            active.started = True
+            if self.processes:
+                result, took = self.processes[slot].run(active.run.events, active.ctx)
+            else:
+                took = time.monotonic()
+                result = handler.run_in_thread(self.handler, active.run.events, active.ctx,
+                                               active.wake)
+                took = time.monotonic() - took
             results[n] = result
-            metrics.RUN_SECONDS.observe(seconds)
-        return results, sum(seconds for _, seconds in answers)
-
-    def _in_thread(self, active: ActiveRun) -> tuple[Result | None, float]:
-        started = time.monotonic()
-        result = handler.run_in_thread(self.handler, active.run.events, active.ctx, active.wake)
-        return result, time.monotonic() - started
-
-    def _size_next_take(self, slot: int, seconds: float, runs: int) -> None:
-        if runs:
-            fits = int(TAKE_BUDGET * runs / max(seconds, 1e-6))
-            self._take_size[slot] = max(1, min(self.max_users_per_take, fits))
+            seconds, called = seconds + took, called + 1
+            metrics.RUN_SECONDS.observe(took)
+        if called:
+            fits = int(TAKE_BUDGET * called / max(seconds, 1e-6))
+            grown = min(fits, 2 * self._take_size[slot], self.max_users_per_take)
+            self._take_size[slot] = max(1, grown)
+        return results
 
     def close(self) -> None:
         """Stop the slots' handler processes."""
         for process in self.processes or ():
             process.stop()
 
-    def _finish(self, actives: list[ActiveRun], results: list[Result | None], slot: int,
+    def _finish(self, actives: list[ActiveRun], results: dict[int, Result | None], slot: int,
                 now: int | None) -> list[bool]:
-        """The fenced finishes, in one transaction, retried through database
-        faults for the runs whose leases may still be valid. Unless stopping, the
-        same transaction takes the slot's next work. Accepted flags, in order."""
-        decided: dict[int, bool] = {}
-        pending = [(n, self._outcome(actives[n], result))
-                   for n, result in enumerate(results) if result is not None]
-        for n, _ in pending:
+        """The fenced finishes and the give-backs, in one transaction, retried
+        through database faults while the leases may still be valid. Unless
+        stopping, the same transaction takes the slot's next work. Accepted
+        flags, by position."""
+        outcomes = [(n, self._outcome(actives[n], result))
+                    for n, result in results.items() if result is not None]
+        give_back = [n for n in range(len(actives)) if n not in results]
+        for n, _ in outcomes:
             actives[n].finishing = True
-        delays = backoff_delays(cap=5.0)
+        accepted = [False] * len(actives)
+        delays, retrying = backoff_delays(cap=5.0), False
         while True:
-            pending = [(n, o) for n, o in pending if not actives[n].ctx.lease_lost.is_set()]
-            if not pending:
+            outcomes = [(n, o) for n, o in outcomes if not actives[n].ctx.lease_lost.is_set()]
+            if not outcomes and not give_back:
                 break
             started = time.monotonic()
             take_as = None if self.stop.is_set() else self.holders[slot]
             try:
+                if retrying:  # the lost commit may have taken runs unseen
+                    keep = [actives[n].run.user for n, _ in outcomes] + [
+                        actives[n].run.user for n in give_back]
+                    self.inbox.hand_back_orphans(self.holders[slot], keep, now=now)
                 flags, following = self.inbox.finish_runs(
-                    [o for _, o in pending], take_as=take_as, take_users=self._take_size[slot],
-                    now=now)
-            except errors.DatabaseUnavailable as exc:
+                    [o for _, o in outcomes], hand_back=[actives[n].run for n in give_back],
+                    take_as=take_as, take_users=self._take_size[slot], now=now)
+            except (errors.DatabaseUnavailable, errors.TransactionConflict) as exc:
                 log.warning("finish failed for %d runs of holder=%s (%s); retrying",
-                            len(pending), self.holders[slot], exc)
-                pending = [(n, o) for n, o in pending
-                           if time.monotonic() - actives[n].lease_started <= self.inbox.lease_ttl]
-                if pending:
+                            len(outcomes) + len(give_back), self.holders[slot], exc)
+                outcomes = [(n, o) for n, o in outcomes if self._may_hold(actives[n])]
+                give_back = [n for n in give_back if self._may_hold(actives[n])]
+                if outcomes or give_back:
                     time.sleep(next(delays))
+                retrying = True
                 continue
             if following:
                 self._carried[slot] = (following, started)
-            for (n, outcome), flag in zip(pending, flags):
-                decided[n] = flag
+            for n in give_back:
+                actives[n].settled = True
+            for (n, outcome), flag in zip(outcomes, flags):
+                accepted[n], actives[n].settled = flag, True
                 self._finished(outcome, flag)
             break
         for n, active in enumerate(actives):
-            if n not in decided:
+            if n in results and not active.settled and active.ctx.lease_lost.is_set():
                 run = active.run
                 log.warning("lease lost user=%s holder=%s gen=%s: nothing committed",
                             run.user, run.holder, run.gen)
                 metrics.FINISHES.labels("lease_lost").inc()
-        return [decided.get(n, False) for n in range(len(actives))]
+                active.settled = True
+        return accepted
+
+    def _may_hold(self, active: ActiveRun) -> bool:
+        """Whether the run's lease may still be valid, by this host's clock."""
+        return time.monotonic() - active.lease_started <= self.inbox.lease_ttl
 
     def _outcome(self, active: ActiveRun, result: Result) -> Outcome:
         try:
@@ -208,6 +234,34 @@ class Worker:
         else:
             log.warning("finish refused by the fence user=%s holder=%s gen=%s",
                         run.user, run.holder, run.gen)
+
+    def _abandon(self, actives: list[ActiveRun], reason: str, now: int | None = None) -> None:
+        """Let other workers have these runs now: a run whose handler started is
+        released (its attempt stays counted: the handler may have acted), one
+        that never started is given back. Never raises: at worst the leases
+        expire after their TTL."""
+        for active in actives:
+            active.settled = True
+            active.ctx.lease_lost.set()
+            active.wake.set()
+        unstarted = [a.run for a in actives if not a.started]
+        try:
+            given_back = set(self.inbox.hand_back(unstarted, now=now)) if unstarted else set()
+        except Exception as exc:  # the database is away, or worse: the TTL decides
+            log.warning("%s: could not give back %d runs (%s)", reason, len(unstarted), exc)
+            given_back = set()
+        for active in actives:
+            run = active.run
+            if active.started:
+                try:
+                    done = "released" if self.inbox.release(run.user, run.holder, run.gen,
+                                                             now=now) else "already lost"
+                except Exception as exc:
+                    done = f"left to expire ({exc})"
+            else:
+                done = "given back" if run.user in given_back else "not given back"
+            log.warning("%s: lease %s user=%s holder=%s gen=%s", reason, done, run.user,
+                        run.holder, run.gen)
 
     # --- renewal ------------------------------------------------------------------
 
@@ -283,18 +337,11 @@ class Worker:
         self.close()
 
     def release_running(self) -> None:
-        """Release the leases of runs still going: another worker takes over now."""
+        """On shutdown: runs still going are released and runs taken but not
+        started are given back, so other workers take over now."""
         with self._lock:
             running = list(self._active.values())
         running += [ActiveRun(run, Context(run.user, run.holder, run.gen), threading.Event(), started)
-                    for runs, started in self._carried.values() for run in runs]  # not yet started
-        for active in running:
-            run = active.run
-            active.ctx.lease_lost.set()
-            active.wake.set()
-            try:
-                released = self.inbox.release(run.user, run.holder, run.gen)
-            except errors.DatabaseUnavailable:
-                released = False
-            log.warning("shutdown: lease %s user=%s holder=%s gen=%s",
-                        "released" if released else "left to expire", run.user, run.holder, run.gen)
+                    for runs, started in self._carried.values() for run in runs]
+        self._carried.clear()
+        self._abandon(running, "shutdown")

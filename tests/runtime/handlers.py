@@ -47,8 +47,10 @@ def pid_of_runner(batch, ctx):
 
 
 def hold_until_released(batch, ctx):
-    """Run until the file named in the payload exists, or the lease is lost."""
+    """Mark its start (the payload's file name + ".started"), then run until the
+    file named in the payload exists, or the lease is lost."""
     path = batch[0].payload["release_file"]
+    open(path + ".started", "w").close()
     while not os.path.exists(path):
         if ctx.lease_lost.wait(0.02):
             return Result(messages=["after the lease was lost"])
@@ -63,3 +65,9 @@ def slow(batch, ctx):
     """A handler slower than a take's budget (as an LLM call would be)."""
     time.sleep(0.08)
     return Result(messages=["slow"])
+
+
+def slow_when_marked(batch, ctx):
+    if any(e.payload.get("slow") for e in batch):
+        return slow(batch, ctx)
+    return Result(messages=["quick"])

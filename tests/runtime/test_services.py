@@ -11,6 +11,11 @@ from agent_inbox import Inbox, migrate, pgserver
 from tests.runtime.support import H, read_until, scalar, wait_until, worker_args
 
 
+def started(release_file) -> bool:
+    """hold_until_released marks its start beside its release file."""
+    return os.path.exists(f"{release_file}.started")
+
+
 def test_services_refuse_a_schema_not_at_head(empty_database_url, spawn):
     for args in (worker_args(empty_database_url, "echo"),
                  ["scheduler", "--database-url", empty_database_url],
@@ -33,7 +38,7 @@ def test_a_long_run_keeps_its_lease_by_renewal(database_url, inbox, spawn, tmp_p
     release = tmp_path / "release"
     inbox.ingest("u", "chat", "1", {"release_file": str(release)})
     spawn(*worker_args(database_url, "hold_until_released", "--lease-ttl", "2"))
-    wait_until(lambda: inbox.events("u", status="running"), "the run to start")
+    wait_until(lambda: started(release), "the handler to start")
     first = scalar(database_url, "SELECT until FROM leases WHERE user_id = 'u'")
     wait_until(lambda: scalar(database_url, "SELECT until FROM leases WHERE user_id = 'u'") >= first + 3,
                "the lease to be renewed past its first TTL")
@@ -46,7 +51,7 @@ def test_a_long_run_keeps_its_lease_by_renewal(database_url, inbox, spawn, tmp_p
 def test_a_run_that_loses_its_lease_commits_nothing(database_url, inbox, spawn, tmp_path):
     inbox.ingest("u", "chat", "1", {"release_file": str(tmp_path / "never")})
     worker = spawn(*worker_args(database_url, "hold_until_released", "--lease-ttl", "2"))
-    wait_until(lambda: inbox.events("u", status="running"), "the run to start")
+    wait_until(lambda: started(tmp_path / "never"), "the handler to start")
     with psycopg.connect(database_url, autocommit=True) as conn:  # another worker takes over
         conn.execute("UPDATE leases SET holder = 'thief', gen = gen + 1, "
                      "until = extract(epoch FROM now())::bigint + 600 WHERE user_id = 'u'")
@@ -61,7 +66,7 @@ def test_sigterm_after_the_grace_period_releases_the_lease_for_an_immediate_take
         database_url, inbox, spawn, tmp_path):
     inbox.ingest("u", "chat", "1", {"release_file": str(tmp_path / "never")})
     worker = spawn(*worker_args(database_url, "hold_until_released", "--grace", "1"))
-    wait_until(lambda: inbox.events("u", status="running"), "the run to start")
+    wait_until(lambda: started(tmp_path / "never"), "the handler to start")
     holder = scalar(database_url, "SELECT holder FROM leases WHERE user_id = 'u'")
     worker.send_signal(signal.SIGTERM)
     output, _ = worker.communicate(timeout=60)
@@ -77,7 +82,7 @@ def test_sigterm_lets_a_running_handler_finish_within_the_grace(database_url, in
     release = tmp_path / "release"
     inbox.ingest("u", "chat", "1", {"release_file": str(release)})
     worker = spawn(*worker_args(database_url, "hold_until_released", "--grace", "60"))
-    wait_until(lambda: inbox.events("u", status="running"), "the run to start")
+    wait_until(lambda: started(release), "the handler to start")
     worker.send_signal(signal.SIGTERM)
     release.touch()
     worker.communicate(timeout=60)
@@ -89,7 +94,7 @@ def test_sigterm_lets_a_running_handler_finish_within_the_grace(database_url, in
 def test_a_second_signal_exits_at_once(database_url, inbox, spawn, tmp_path):
     inbox.ingest("u", "chat", "1", {"release_file": str(tmp_path / "never")})
     worker = spawn(*worker_args(database_url, "hold_until_released", "--grace", "600"))
-    wait_until(lambda: inbox.events("u", status="running"), "the run to start")
+    wait_until(lambda: started(tmp_path / "never"), "the handler to start")
     worker.send_signal(signal.SIGTERM)
     read_until(worker, "SIGTERM: stopping")
     worker.send_signal(signal.SIGTERM)
@@ -116,7 +121,7 @@ def test_a_worker_killed_outright_leaves_no_handler_process_behind(database_url,
                                                                       tmp_path):
     inbox.ingest("u", "chat", "1", {"release_file": str(tmp_path / "never")})
     worker = spawn(*worker_args(database_url, "hold_until_released"))
-    wait_until(lambda: inbox.events("u", status="running"), "the run to start")
+    wait_until(lambda: started(tmp_path / "never"), "the handler to start")
     children = _children(worker.pid)
     assert children, "the run should be in a handler process"
     worker.kill()

@@ -6,6 +6,7 @@ import os
 
 import pytest
 
+import agent_inbox.worker
 from agent_inbox.worker import Worker
 
 H = "tests.runtime.handlers"
@@ -154,13 +155,14 @@ def test_take_work_prefers_the_user_waiting_longest(inbox):
 # --- several users per take ------------------------------------------------------
 
 def test_quick_handlers_grow_the_take_to_several_users(inbox, worker):
-    for user in ("first", "a", "b", "c"):
+    users = ["first", "b1", "b2", "c1", "c2", "c3", "c4"]
+    for user in users:
         inbox.ingest(user, "chat", "1", {})
     w = worker(inbox, "echo", max_users_per_take=8)
-    assert w.run_once(now=T)["runs"] == 1                 # a slot's first take: one user
-    assert w.run_once(now=T) == {"runs": 3, "events": 3, "accepted": 3}  # taken by that finish
-    assert [m.body for u in "abc" for m in inbox.outbox(u)] == ["a:1", "b:1", "c:1"]
-    assert {inbox.acquire(u, "other", now=T) for u in "abc"} == {2}     # all released
+    # a slot's first take holds one user; each quick take doubles the next
+    assert [w.run_once(now=T)["runs"] for _ in range(4)] == [1, 2, 4, 0]
+    assert [m.body for u in users for m in inbox.outbox(u)] == [f"{u}:1" for u in users]
+    assert {inbox.acquire(u, "other", now=T) for u in users} == {2}    # all released
 
 
 def test_slow_handlers_are_taken_one_user_at_a_time(inbox, worker):
@@ -170,15 +172,33 @@ def test_slow_handlers_are_taken_one_user_at_a_time(inbox, worker):
     assert [w.run_once(now=T)["runs"] for _ in range(4)] == [1, 1, 1, 0]
 
 
-def test_a_crash_in_a_shared_take_costs_only_the_run_it_was_in(inbox, worker):
-    inbox.ingest("first", "chat", "1", {})
-    for user in ("a", "b", "c"):
+def test_a_crash_in_a_shared_take_costs_only_the_run_it_was_in(inbox, worker, monkeypatch):
+    monkeypatch.setattr(agent_inbox.worker, "TAKE_BUDGET", 60.0)  # no give-back: see below
+    for user in ("first", "w1", "w2", "a", "b", "c", "d"):
         inbox.ingest(user, "chat", "1", {"poison": user == "b"})
     w = worker(inbox, "crash_process", max_users_per_take=8)
-    w.run_once(now=T)                                     # grows the next take to a, b, c
-    assert w.run_once(now=T) == {"runs": 3, "events": 3, "accepted": 3}
-    a, b, c = (inbox.events(u)[0] for u in "abc")
-    assert (a.status, c.status) == ("done", "done")       # c ran in a new process
+    w.run_once(now=T)
+    w.run_once(now=T)                                     # grows the next take to a, b, c, d
+    assert w.run_once(now=T) == {"runs": 4, "events": 4, "accepted": 4}
+    a, b, c, d = (inbox.events(u)[0] for u in "abcd")
+    assert (a.status, c.status, d.status) == ("done", "done", "done")  # in a new process
     assert (b.status, b.attempts) == ("pending", 1)
     assert "handler process died (exit code -9)" in b.error
-    assert [m.body for u in "ac" for m in inbox.outbox(u)] == ["ok", "ok"]
+    assert [m.body for u in "acd" for m in inbox.outbox(u)] == ["ok", "ok", "ok"]
+
+
+def test_users_behind_a_handler_that_used_up_the_budget_are_given_back_untouched(inbox, worker):
+    for user in ("first", "w1", "w2", "slow", "x", "y", "z"):
+        inbox.ingest(user, "chat", "1", {"slow": user == "slow"})
+    w = worker(inbox, "slow_when_marked", max_users_per_take=8)
+    w.run_once(now=T)
+    w.run_once(now=T)                                     # the next take: slow, x, y, z
+    assert w.run_once(now=T) == {"runs": 1, "events": 1, "accepted": 1}
+    assert [m.body for m in inbox.outbox("slow")] == ["slow"]
+    for user in "yz":                                     # as if never taken: no attempt spent
+        [event] = inbox.events(user)
+        assert (event.status, event.attempts, event.error) == ("pending", 0, None)
+        assert inbox.acquire(user, "other", now=T) == 2    # the lease free at once
+    [x] = inbox.events("x")                               # longest waiting: the next take, alone
+    assert (x.status, x.attempts, x.claim_gen) == ("running", 1, 2)
+    assert w.run_once(now=T) == {"runs": 1, "events": 1, "accepted": 1}

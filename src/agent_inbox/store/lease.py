@@ -109,3 +109,47 @@ SELECT gen FROM released
 def release(conn, user: str, holder: str, gen: int, now: int | None) -> bool:
     return conn.execute(RELEASE, {"user": user, "holder": holder, "gen": gen,
                                   "now": now}).fetchone() is not None
+
+
+# Give back runs whose handlers never started (a take bigger than the time it
+# had, a shutdown, a failure before the handler): the lease is expired at once
+# and the claim undone, attempts included, as if the take had not happened, so
+# a run that never ran costs its events nothing. Fenced like a finish: only
+# leases this holder still holds in those generations. Both statements follow a
+# CTE `returned(user_id, gen)` of the leases given back and answer their users.
+UNDO_CLAIMS = """unclaimed AS (
+    UPDATE events e
+       SET status = 'pending', attempts = e.attempts - 1, available_at = clock.now
+      FROM clock, returned r
+     WHERE e.user_id = r.user_id AND e.status = 'running' AND e.claim_gen = r.gen
+)"""
+
+HAND_BACK = f"""
+WITH clock AS (
+    SELECT {NOW} AS now
+), returned AS (
+    UPDATE leases l SET until = clock.now - 1
+      FROM clock, unnest(%(users)s::text[], %(gens)s::bigint[]) AS given(user_id, gen)
+     WHERE l.user_id = given.user_id AND l.holder = %(holder)s AND l.gen = given.gen
+       AND l.until >= clock.now
+ RETURNING l.user_id, l.gen
+), {UNDO_CLAIMS}
+SELECT user_id FROM returned
+"""
+
+# A holder's unexpired leases other than `keep`: after a connection was lost
+# during a commit that also took work, the take may have committed unseen; the
+# holder gives those runs back before it goes on. Reads leases by holder (no
+# index): for that rare path only.
+HAND_BACK_ORPHANS = f"""
+WITH clock AS (
+    SELECT {NOW} AS now
+), returned AS (
+    UPDATE leases l SET until = clock.now - 1
+      FROM clock
+     WHERE l.holder = %(holder)s AND l.until >= clock.now
+       AND l.user_id <> ALL(%(keep)s::text[])
+ RETURNING l.user_id, l.gen
+), {UNDO_CLAIMS}
+SELECT user_id FROM returned
+"""
