@@ -7,7 +7,7 @@ import sys
 import psycopg
 import pytest
 
-from agent_inbox import errors, migrate
+from agent_inbox import errors, migrate, revision
 
 TABLES = {"events", "leases", "timers", "outbox", "operator_actions"}
 
@@ -22,14 +22,14 @@ def _tables(url: str) -> set[str]:
 def test_upgrade_from_empty_creates_every_table(empty_database_url):
     migrate.upgrade(empty_database_url)
     assert _tables(empty_database_url) == TABLES
-    assert migrate.current_revision(empty_database_url) == migrate.head_revision()
+    assert revision.current_revision(empty_database_url) == revision.HEAD
 
 
 def test_downgrade_to_base_and_upgrade_again(empty_database_url):
     migrate.upgrade(empty_database_url)
     migrate.downgrade(empty_database_url, "base")
     assert _tables(empty_database_url) == set()
-    assert migrate.current_revision(empty_database_url) is None
+    assert revision.current_revision(empty_database_url) is None
     migrate.upgrade(empty_database_url)
     assert _tables(empty_database_url) == TABLES
 
@@ -64,11 +64,17 @@ def test_two_migrate_processes_at_once_both_succeed(empty_database_url):
                                   text=True) for _ in range(3)]
     outcomes = [(p.wait(timeout=120), p.stderr.read()) for p in processes]
     assert all(code == 0 for code, _ in outcomes), outcomes
-    assert migrate.current_revision(empty_database_url) == migrate.head_revision()
+    assert revision.current_revision(empty_database_url) == revision.HEAD
     assert _tables(empty_database_url) == TABLES
 
 
 def test_require_head_refuses_an_unmigrated_database(empty_database_url, database_url):
     with pytest.raises(errors.SchemaNotAtHead, match="agent-inbox migrate"):
-        migrate.require_head(empty_database_url)
-    migrate.require_head(database_url)
+        revision.require_head(empty_database_url)
+    revision.require_head(database_url)
+
+
+def test_the_revision_services_require_is_the_head_of_the_migrations():
+    """revision.HEAD is what workers check at start without Alembic: a new
+    migration must move it, or every service would refuse the new schema."""
+    assert revision.HEAD == migrate.head_revision()

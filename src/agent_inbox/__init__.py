@@ -3,28 +3,49 @@
     from agent_inbox import Inbox
     with Inbox.connect(url) as inbox:
         inbox.ingest("alice", "github", delivery_id, payload)
+
+Names are imported on first use, so a handler process that needs only `Result`
+does not pay for the database client (each worker slot starts one).
 """
 
-from agent_inbox.errors import (
-    AgentInboxError,
-    DatabaseUnavailable,
-    InvalidAnswer,
-    InvalidInput,
-    InvalidPayload,
-    InvalidTime,
-    InvalidTimer,
-    PayloadTooLarge,
-    SchemaNotAtHead,
-    TransactionConflict,
-)
-from agent_inbox.handler import Context
-from agent_inbox.inbox import Inbox, Run
-from agent_inbox.records import Event, Lease, OutboxMessage, Timer
-from agent_inbox.result import ApprovalRequest, Message, Result, TimerRequest
+import importlib
+from typing import TYPE_CHECKING
 
-__all__ = [
-    "AgentInboxError", "ApprovalRequest", "Context", "DatabaseUnavailable", "Event", "Inbox",
-    "InvalidAnswer", "InvalidInput", "InvalidPayload", "InvalidTime", "InvalidTimer", "Lease",
-    "Message", "OutboxMessage", "PayloadTooLarge", "Result", "Run", "SchemaNotAtHead", "Timer", "TransactionConflict",
-    "TimerRequest",
-]
+_EXPORTS = {
+    "agent_inbox.errors": [
+        "AgentInboxError", "DatabaseUnavailable", "InvalidAnswer", "InvalidInput",
+        "InvalidPayload", "InvalidTime", "InvalidTimer", "PayloadTooLarge", "SchemaNotAtHead",
+        "TransactionConflict",
+    ],
+    "agent_inbox.handler": ["Context"],
+    "agent_inbox.inbox": ["Inbox"],
+    "agent_inbox.runs": ["Run"],
+    "agent_inbox.records": ["Event", "Lease", "OutboxMessage", "Timer"],
+    "agent_inbox.result": ["ApprovalRequest", "Message", "Result", "TimerRequest"],
+}
+_MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
+__all__ = sorted(_MODULE_OF)
+
+
+def __getattr__(name: str):
+    module = _MODULE_OF.get(name)
+    if module is None:
+        raise AttributeError(f"module 'agent_inbox' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
+
+
+if TYPE_CHECKING:
+    from agent_inbox.errors import (AgentInboxError, DatabaseUnavailable, InvalidAnswer,
+                                    InvalidInput, InvalidPayload, InvalidTime, InvalidTimer,
+                                    PayloadTooLarge, SchemaNotAtHead, TransactionConflict)
+    from agent_inbox.handler import Context
+    from agent_inbox.inbox import Inbox
+    from agent_inbox.records import Event, Lease, OutboxMessage, Timer
+    from agent_inbox.result import ApprovalRequest, Message, Result, TimerRequest
+    from agent_inbox.runs import Run

@@ -30,7 +30,7 @@ def add_database_url(parser: argparse.ArgumentParser, *, required: bool) -> None
 
 
 def cmd_migrate(args: argparse.Namespace) -> int:
-    from agent_inbox import migrate
+    from agent_inbox import migrate, revision
 
     if args.sql:
         sys.stdout.write(migrate.upgrade_sql(args.revision))
@@ -38,7 +38,7 @@ def cmd_migrate(args: argparse.Namespace) -> int:
     if not args.database_url:
         raise errors.InvalidInput("--database-url", None, "is required (or AGENT_INBOX_DATABASE_URL)")
     migrate.upgrade(args.database_url, args.revision)
-    print(f"database at revision {migrate.current_revision(args.database_url)}")
+    print(f"database at revision {revision.current_revision(args.database_url)}")
     return 0
 
 
@@ -51,13 +51,13 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 def open_service_inbox(args: argparse.Namespace, pool_size: int, **options):
     """Logging, the schema check (refuse to start on a schema not at head), the pool."""
-    from agent_inbox import Inbox, migrate
+    from agent_inbox import Inbox, revision
 
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s %(message)s")
     if not args.database_url:
         raise errors.InvalidInput("--database-url", None, "is required (or AGENT_INBOX_DATABASE_URL)")
-    migrate.require_head(args.database_url)
+    revision.require_head(args.database_url)
     inbox = Inbox.connect(args.database_url, pool_size=pool_size,
                           application_name=f"agent-inbox-{args.command}", **options)
     if args.metrics_port:

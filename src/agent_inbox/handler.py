@@ -12,7 +12,6 @@ own. The slot starts a new process and goes on. Thread mode (`run_in_thread`)
 shares the worker's process: cheaper, for handlers that cannot crash it.
 """
 
-import asyncio
 import importlib
 import inspect
 import multiprocessing
@@ -61,6 +60,8 @@ def call(handler: Callable, batch: list[Event], ctx: Context) -> Result:
     try:
         outcome = handler(batch, ctx)
         if inspect.isawaitable(outcome):
+            import asyncio  # loaded for async handlers only
+
             outcome = asyncio.run(_awaited(outcome))
     except Exception as exc:
         return Result(error=_describe(exc))

@@ -1,4 +1,5 @@
-"""Schema migrations: upgrade, downgrade, offline SQL, drift check, head check.
+"""Schema migrations: upgrade, downgrade, offline SQL, drift check (the check
+services make at start is in revision.py, without Alembic).
 
 The Alembic tree ships inside the package (`agent_inbox.migrations`), so an
 installed wheel migrates without the repository. Every online migration runs
@@ -13,7 +14,6 @@ import psycopg
 import sqlalchemy as sa
 from alembic import command
 from alembic.config import Config
-from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
 
 from agent_inbox import errors
@@ -79,18 +79,3 @@ def check(url: str) -> None:
 
 def head_revision() -> str:
     return ScriptDirectory.from_config(_config()).get_current_head()
-
-
-def current_revision(url: str) -> str | None:
-    with _connection(url) as connection:
-        return MigrationContext.configure(connection).get_current_revision()
-
-
-def require_head(url: str) -> None:
-    """Refuse to run services against a schema this code was not written for."""
-    current, head = current_revision(url), head_revision()
-    if current != head:
-        raise errors.SchemaNotAtHead(
-            f"database schema is at revision {current or 'none (empty database)'}, "
-            f"this agent-inbox needs {head}: run `agent-inbox migrate` first"
-        )

@@ -201,12 +201,12 @@ def _command(name: str):
 @contextlib.contextmanager
 def _opened(args: argparse.Namespace, name: str):
     """The schema check (refuse a schema not at head), then an Inbox on one connection."""
-    from agent_inbox import Inbox, migrate
+    from agent_inbox import Inbox, revision
 
     if not args.database_url:
         raise errors.InvalidInput("--database-url", None,
                                   "is required (or AGENT_INBOX_DATABASE_URL)")
-    migrate.require_head(args.database_url)
+    revision.require_head(args.database_url)
     with Inbox.connect(args.database_url, pool_size=1,
                        application_name=f"agent-inbox-{name}") as inbox:
         yield inbox

@@ -1,7 +1,7 @@
 """`agent-inbox ingest-server`: serve the webhook intake with uvicorn.
 
 Invariant: the server answers no request unless the schema is at head
-(`migrate.require_head`) and the secrets file loaded whole and valid; after
+(`revision.require_head`) and the secrets file loaded whole and valid; after
 that, SIGHUP reloads the secrets (a failed reload keeps the ones in use) and
 SIGTERM or SIGINT stops it gracefully. No option value that is a secret is
 logged: secrets come only from the file, never from the command line.
