@@ -106,7 +106,29 @@ def test_a_run_given_back_unstarted_costs_its_events_nothing(inbox):
 
 def test_a_holder_gives_back_the_runs_a_lost_commit_took_unseen(inbox):
     ingest_in_order(inbox, [("a", "1"), ("b", "1"), ("c", "1")])
-    inbox.take_runs("H", users=3, now=T)
-    assert sorted(inbox.hand_back_orphans("H", ["a"], now=T)) == ["b", "c"]
+    known, *_ = inbox.take_runs("H", users=3, now=T)
+    assert sorted(inbox.hand_back_orphans("H", [known], now=T)) == ["b", "c"]
     assert [inbox.events(u)[0].status for u in "abc"] == ["running", "pending", "pending"]
+    assert [inbox.events(u)[0].attempts for u in "abc"] == [1, 0, 0]
     assert inbox.acquire("a", "other", now=T) is None          # kept
+
+
+def test_an_orphan_of_a_known_user_in_a_newer_generation_is_given_back(inbox):
+    """A lost commit finished user a's run (gen 1) and took a again (gen 2)."""
+    ingest_in_order(inbox, [("a", "1")])
+    [first] = inbox.take_runs("H", users=1, now=T)
+    inbox.ingest("a", "chat", "2", {})
+    _, [again] = inbox.finish_runs([inbox.outcome(first, Result())], take_as="H", now=T)
+    assert again.gen == first.gen + 1
+    assert inbox.hand_back_orphans("H", [first], now=T) == ["a"]
+    assert [(e.status, e.attempts) for e in inbox.events("a")] == [("done", 1), ("pending", 0)]
+
+
+def test_a_given_back_event_keeps_its_place_in_the_queue(database_url, inbox):
+    ingest_in_order(inbox, [("early", "1"), ("late", "1")])
+    with psycopg.connect(database_url, autocommit=True) as conn:
+        conn.execute("UPDATE events SET created_at = 100, available_at = 100 WHERE user_id = 'early'")
+        conn.execute("UPDATE events SET created_at = 200, available_at = 200 WHERE user_id = 'late'")
+    [early] = inbox.take_runs("H", users=1, now=T)
+    assert inbox.hand_back([early], now=T + 10) == ["early"]
+    assert [r.user for r in inbox.take_runs("H2", users=1, now=T + 10)] == ["early"]

@@ -44,16 +44,16 @@ def main(server_url: str, take_work_sql: str | None = None) -> int:
             assert original in sql_b
             slow = sql_b.replace(
                 original, f"SELECT {NOW} AS now FROM (SELECT pg_sleep(1)) AS pause", 1)
-            params = {"holder": "B", "ttl": 120, "now": None, **inbox.policy.params()}
+            params = {"holder": "B", "ttl": 120, "now": None, "users": 1, **inbox.policy.params()}
             box = {}
 
             def worker_b():
-                with psycopg.connect(url, autocommit=True) as conn:
+                with psycopg.connect(url, autocommit=True, application_name="repro-b") as conn:
                     box["rows"] = conn.execute(slow, params).fetchall()
 
             b = threading.Thread(target=worker_b)
             b.start()
-            time.sleep(0.3)                      # B's snapshot is taken; it sleeps in `clock`
+            _wait_for_sleep(url, "repro-b")      # B's snapshot is taken; it sleeps in `clock`
             run = inbox.take_work("A")           # A takes alice, runs, finishes, releases
             assert run is not None and [e.id for e in run.events] == [1]
             assert inbox.finish_run(run, Result())
@@ -69,6 +69,17 @@ def main(server_url: str, take_work_sql: str | None = None) -> int:
             return 1 if again else 0
     finally:
         pgserver.drop_database(url)
+
+
+def _wait_for_sleep(url: str, application_name: str, timeout: float = 30.0) -> None:
+    """Until the named session is inside pg_sleep (PostgreSQL says so)."""
+    deadline = time.monotonic() + timeout
+    with psycopg.connect(url, autocommit=True) as conn:
+        while conn.execute("SELECT count(*) FROM pg_stat_activity WHERE application_name = %s"
+                           " AND wait_event = 'PgSleep'", (application_name,)).fetchone()[0] == 0:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{application_name} never reached pg_sleep")
+            time.sleep(0.01)
 
 
 if __name__ == "__main__":

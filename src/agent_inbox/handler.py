@@ -114,6 +114,13 @@ def _exit_with_parent(parent: int) -> None:
     threading.Thread(target=watch, name="parent-watch", daemon=True).start()
 
 
+# A handler process says so before it calls the handler: a death before that
+# is not the run's doing (the process died between runs), and the run is sent
+# to a new process, at most DEATHS_BEFORE_START times.
+RUN_STARTED = "started"
+DEATHS_BEFORE_START = 3
+
+
 def _serve_runs(reference: str, conn, lease_lost, parent: int) -> None:
     """A handler process's loop: one run per message, answered with (result,
     seconds the handler took), until the pipe closes."""
@@ -128,6 +135,7 @@ def _serve_runs(reference: str, conn, lease_lost, parent: int) -> None:
         except EOFError:
             return
         ctx = Context(user=user, holder=holder, gen=gen, lease_lost=lease_lost)
+        conn.send(RUN_STARTED)
         started = time.monotonic()
         result = call(target, batch, ctx) if target else Result(error=problem)
         conn.send((result, time.monotonic() - started))
@@ -162,31 +170,50 @@ class HandlerProcess:
             self._start()
 
     def run(self, batch: list[Event], ctx: Context) -> tuple[Result | None, float]:
-        """The run's result and the seconds its handler took; a crash of the
-        process is the run's error. None if the lease was lost first (the
+        """The run's result and the seconds it took; a crash of the process
+        during the run is the run's error. None if the lease was lost first (the
         process is stopped: its answer would be refused by the fence, and it may
         be stuck)."""
-        with self._guard:
-            current = (self._process, self._conn, self._lost)
-        process, conn, lost = current if current[0] and current[0].is_alive() else self._start()
-        lost.clear()
         started = time.monotonic()
-        try:
-            conn.send((batch, ctx.user, ctx.holder, ctx.gen))
-        except OSError:  # it died after the check: start afresh, nothing ran yet
-            self.stop()
-            process, conn, lost = self._start()
-            conn.send((batch, ctx.user, ctx.holder, ctx.gen))
+        for _ in range(DEATHS_BEFORE_START):
+            with self._guard:
+                current = (self._process, self._conn, self._lost)
+            process, conn, lost = current if current[0] and current[0].is_alive() else self._start()
+            lost.clear()
+            started = time.monotonic()
+            try:
+                conn.send((batch, ctx.user, ctx.holder, ctx.gen))
+            except OSError:  # it died after the check: nothing ran yet
+                self.stop()
+                continue
+            answer = self._answer(process, conn, lost, ctx, started)
+            if answer is not None and answer[0] is RUN_STARTED:
+                continue  # it died before the handler was called
+            return answer
+        died = f"handler process died before the run started, {DEATHS_BEFORE_START} times"
+        return Result(error=died), time.monotonic() - started
+
+    def _answer(self, process, conn, lost, ctx: Context, started: float):
+        """(result, seconds), (None, seconds) if the lease was lost, or
+        (RUN_STARTED, 0) if the process died before calling the handler."""
+        running = False
         while True:
             ready = wait_any([conn, process.sentinel], timeout=0.2)
             if conn in ready:
                 try:
-                    return conn.recv()
+                    message = conn.recv()
                 except (EOFError, OSError):
-                    pass  # it died without an answer: its exit code says why
+                    message = None  # it died: its exit code says why
+                if message == RUN_STARTED:
+                    running = True
+                    continue
+                if message is not None:
+                    return message
             if process.sentinel in ready:
                 process.join()
                 self.stop()
+                if not running:
+                    return RUN_STARTED, 0.0
                 died = Result(error=f"handler process died (exit code {process.exitcode})")
                 return died, time.monotonic() - started
             if ctx.lease_lost.is_set():

@@ -150,15 +150,16 @@ class Runs:
             answers = self._send_hand_back(conn, runs, now)
             return [user for answer in answers for user, in answer.fetchall()]
 
-    def hand_back_orphans(self, holder: str, keep: list[str], *, now: int | None = None) -> list[str]:
-        """Give back every unexpired lease `holder` holds except those of `keep`
-        (runs a lost commit may have taken unseen); the users given back."""
+    def hand_back_orphans(self, holder: str, known: list[Run] = (), *,
+                          now: int | None = None) -> list[str]:
+        """Give back every unexpired lease `holder` holds other than the runs in
+        `known` (runs a lost commit may have taken unseen); the users given back."""
         holder = validate.text("holder", holder)
         now = validate.optional_epoch("now", now)
+        params = {"holder": holder, "users": [r.user for r in known],
+                  "gens": [r.gen for r in known], "now": now}
         with db.transaction(self._pool) as conn:
-            rows = conn.execute(lease.HAND_BACK_ORPHANS,
-                                {"holder": holder, "keep": list(keep), "now": now}).fetchall()
-        return [user for user, in rows]
+            return [user for user, in conn.execute(lease.HAND_BACK_ORPHANS, params).fetchall()]
 
     @staticmethod
     def _send_hand_back(conn, runs: list[Run], now: int | None) -> list:

@@ -78,6 +78,9 @@ class Worker:
         self._take_size = [1] * concurrency  # users per take, per slot (see TAKE_BUDGET)
         self._active: dict[tuple[str, str], ActiveRun] = {}  # (holder, user) -> run
         self._carried: dict[int, tuple[list[Run], float]] = {}  # slot -> (next runs, lease start)
+        # Slots whose last take or finish lost its connection: a take may have
+        # committed unseen, so its runs are given back before the next take.
+        self._unsure: set[int] = set()
         self._lock = threading.Lock()
 
     # --- one take ---------------------------------------------------------------
@@ -90,8 +93,14 @@ class Worker:
         called, or runs of dead events only), events, accepted (finishes accepted)."""
         carried = self._carried.pop(slot, None)
         if carried is None:
+            if slot in self._unsure:
+                self._give_back_orphans(slot, [], now)
             started = time.monotonic()
-            runs = self.inbox.take_runs(self.holders[slot], users=self._take_size[slot], now=now)
+            try:
+                runs = self.inbox.take_runs(self.holders[slot], users=self._take_size[slot], now=now)
+            except errors.DatabaseUnavailable:
+                self._unsure.add(slot)
+                raise
         else:
             runs, started = carried
         actives = [ActiveRun(run, Context(run.user, run.holder, run.gen), threading.Event(), started)
@@ -168,7 +177,7 @@ class Worker:
         outcomes = [(n, self._outcome(actives[n], result))
                     for n, result in results.items() if result is not None]
         give_back = [n for n in range(len(actives)) if n not in results]
-        for n, _ in outcomes:
+        for n in [n for n, _ in outcomes] + give_back:
             actives[n].finishing = True
         accepted = [False] * len(actives)
         delays, retrying = backoff_delays(cap=5.0), False
@@ -180,15 +189,15 @@ class Worker:
             take_as = None if self.stop.is_set() else self.holders[slot]
             try:
                 if retrying:  # the lost commit may have taken runs unseen
-                    keep = [actives[n].run.user for n, _ in outcomes] + [
-                        actives[n].run.user for n in give_back]
-                    self.inbox.hand_back_orphans(self.holders[slot], keep, now=now)
+                    self._give_back_orphans(slot, [a.run for a in actives], now)
                 flags, following = self.inbox.finish_runs(
                     [o for _, o in outcomes], hand_back=[actives[n].run for n in give_back],
                     take_as=take_as, take_users=self._take_size[slot], now=now)
             except (errors.DatabaseUnavailable, errors.TransactionConflict) as exc:
                 log.warning("finish failed for %d runs of holder=%s (%s); retrying",
                             len(outcomes) + len(give_back), self.holders[slot], exc)
+                if isinstance(exc, errors.DatabaseUnavailable):
+                    self._unsure.add(slot)
                 outcomes = [(n, o) for n, o in outcomes if self._may_hold(actives[n])]
                 give_back = [n for n in give_back if self._may_hold(actives[n])]
                 if outcomes or give_back:
@@ -211,6 +220,15 @@ class Worker:
                 metrics.FINISHES.labels("lease_lost").inc()
                 active.settled = True
         return accepted
+
+    def _give_back_orphans(self, slot: int, known: list[Run], now: int | None) -> None:
+        """Give back the leases this slot's holder holds beyond `known`: runs a
+        commit took whose answer the lost connection never brought."""
+        orphans = self.inbox.hand_back_orphans(self.holders[slot], known, now=now)
+        self._unsure.discard(slot)
+        if orphans:
+            log.warning("gave back %d runs taken by a commit whose answer was lost: users %s",
+                        len(orphans), ", ".join(orphans))
 
     def _may_hold(self, active: ActiveRun) -> bool:
         """Whether the run's lease may still be valid, by this host's clock."""
@@ -311,7 +329,7 @@ class Worker:
                 log.exception("slot %d: unexpected error; going on in %.1f s", slot, pause)
                 self.stop.wait(pause)
                 continue
-            if not counts["runs"]:
+            if not counts["runs"] and slot not in self._carried:
                 self.waker.wait(jittered(self.poll_interval))
 
     def serve(self, url: str) -> None:

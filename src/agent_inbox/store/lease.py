@@ -114,13 +114,16 @@ def release(conn, user: str, holder: str, gen: int, now: int | None) -> bool:
 # Give back runs whose handlers never started (a take bigger than the time it
 # had, a shutdown, a failure before the handler): the lease is expired at once
 # and the claim undone, attempts included, as if the take had not happened, so
-# a run that never ran costs its events nothing. Fenced like a finish: only
-# leases this holder still holds in those generations. Both statements follow a
-# CTE `returned(user_id, gen)` of the leases given back and answer their users.
+# a run that never ran costs its events nothing and keeps its place in the queue
+# (a fresh event is due from its creation again, a retry from when it was
+# claimed). Fenced like a finish: only leases this holder still holds in those
+# generations. Both statements follow a CTE `returned(user_id, gen)` of the
+# leases given back and answer their users.
 UNDO_CLAIMS = """unclaimed AS (
     UPDATE events e
-       SET status = 'pending', attempts = e.attempts - 1, available_at = clock.now
-      FROM clock, returned r
+       SET status = 'pending', attempts = e.attempts - 1,
+           available_at = CASE WHEN e.attempts = 1 THEN e.created_at ELSE e.claimed_at END
+      FROM returned r
      WHERE e.user_id = r.user_id AND e.status = 'running' AND e.claim_gen = r.gen
 )"""
 
@@ -137,18 +140,25 @@ WITH clock AS (
 SELECT user_id FROM returned
 """
 
-# A holder's unexpired leases other than `keep`: after a connection was lost
-# during a commit that also took work, the take may have committed unseen; the
-# holder gives those runs back before it goes on. Reads leases by holder (no
-# index): for that rare path only.
+# A holder's unexpired leases other than the runs it knows of (`users`/`gens`):
+# after a connection was lost around a commit that also took work, the take may
+# have committed unseen; the holder gives those runs back before it goes on.
+# Locked in user order like LOCK_MANY; reads leases by holder (no index): for
+# that rare path only.
 HAND_BACK_ORPHANS = f"""
 WITH clock AS (
     SELECT {NOW} AS now
+), orphans AS (
+    SELECT l.user_id FROM leases l, clock
+     WHERE l.holder = %(holder)s AND l.until >= clock.now
+       AND NOT EXISTS (SELECT 1 FROM unnest(%(users)s::text[], %(gens)s::bigint[]) AS k(user_id, gen)
+                        WHERE k.user_id = l.user_id AND k.gen = l.gen)
+     ORDER BY l.user_id
+       FOR UPDATE OF l
 ), returned AS (
     UPDATE leases l SET until = clock.now - 1
-      FROM clock
-     WHERE l.holder = %(holder)s AND l.until >= clock.now
-       AND l.user_id <> ALL(%(keep)s::text[])
+      FROM clock, orphans o
+     WHERE l.user_id = o.user_id AND l.holder = %(holder)s AND l.until >= clock.now
  RETURNING l.user_id, l.gen
 ), {UNDO_CLAIMS}
 SELECT user_id FROM returned
