@@ -3,10 +3,12 @@ all in the fenced finish; failures come back after a backoff; handlers run in
 their slot's own process, so a crash kills only that run."""
 
 import os
+import time
 
 import pytest
 
 import agent_inbox.worker
+from agent_inbox.errors import DatabaseUnavailable
 from agent_inbox.worker import Worker
 
 H = "tests.runtime.handlers"
@@ -202,3 +204,43 @@ def test_users_behind_a_handler_that_used_up_the_budget_are_given_back_untouched
     [x] = inbox.events("x")                               # longest waiting: the next take, alone
     assert (x.status, x.attempts, x.claim_gen) == ("running", 1, 2)
     assert w.run_once(now=T) == {"runs": 1, "events": 1, "accepted": 1}
+
+
+def test_a_handler_process_that_dies_before_the_handler_is_tried_again_then_blamed(inbox):
+    inbox.ingest("u", "chat", "1", {})
+    w = Worker(inbox, "tests.runtime.dies_in_handler_process:handle")
+    try:
+        assert w.run_once(now=T) == {"runs": 1, "events": 1, "accepted": 1}
+    finally:
+        w.close()
+    [event] = inbox.events("u")
+    assert (event.status, event.attempts) == ("pending", 1)
+    assert event.error == "handler process died before the run started, 3 times"
+
+
+def test_a_commit_whose_answer_was_lost_gives_back_the_runs_it_took(inbox, worker, monkeypatch):
+    inbox.ingest("a", "chat", "1", {})
+    w = worker(inbox, "echo")
+    [run] = inbox.take_runs(w.holders[0], users=1, now=T)
+    w._carried[0] = ([run], time.monotonic())
+    inbox.ingest("b", "chat", "1", {})
+    real_finish, lost = inbox.finish_runs, []
+
+    def answer_lost_once(*args, **kwargs):
+        answer = real_finish(*args, **kwargs)          # committed: a done, b taken
+        if not lost:
+            lost.append(answer)
+            raise DatabaseUnavailable("server closed the connection unexpectedly")
+        return answer
+
+    monkeypatch.setattr(inbox, "finish_runs", answer_lost_once)
+    counts = w.run_once(now=T)
+    assert [r.user for r in lost[0][1]] == ["b"]           # the take the worker never saw
+    assert counts == {"runs": 1, "events": 1, "accepted": 0}  # the retry is refused: already in
+    assert [(e.status, m.body) for e in inbox.events("a") for m in inbox.outbox("a")] == [
+        ("done", "a:1")]
+    [b] = inbox.events("b")                                 # given back (gen 1), its claim
+    assert (b.status, b.attempts, b.claim_gen) == ("running", 1, 2)  # undone, taken again once
+    assert [(r.user, r.gen) for r in w._carried[0][0]] == [("b", 2)]
+    assert w.run_once(now=T) == {"runs": 1, "events": 1, "accepted": 1}
+    assert [(e.status, e.attempts) for e in inbox.events("b")] == [("done", 1)]
