@@ -436,7 +436,7 @@ def w4_setup(server_url: str, users: int, busy: int, done_per_idle: int, pending
 
 
 def take_work_params(inbox: Inbox, holder: str) -> dict:
-    return {"holder": holder, "ttl": inbox.lease_ttl, "now": None, **inbox.policy.params()}
+    return {"holder": holder, "ttl": inbox.lease_ttl, "now": None, "users": 1, **inbox.policy.params()}
 
 
 def explain_take_work(url: str, inbox: Inbox, holder: str) -> str:
