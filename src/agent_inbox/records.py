@@ -1,6 +1,7 @@
 """The rows agent-inbox hands back: plain, immutable records."""
 
-from dataclasses import dataclass
+import operator
+from dataclasses import dataclass, fields
 from typing import Any
 
 EVENT_STATUSES = ("pending", "running", "done", "dead")
@@ -22,6 +23,14 @@ class Event:
     created_at: int
     available_at: int
     claimed_at: int | None
+
+    def __reduce__(self):
+        # Pickled as its fields in order (half the cost of the default): every
+        # batch goes to a handler process this way.
+        return Event, _event_fields(self)
+
+
+_event_fields = operator.attrgetter(*(f.name for f in fields(Event)))
 
 
 @dataclass(frozen=True, slots=True)
