@@ -63,7 +63,9 @@ def call(handler: Callable, batch: list[Event], ctx: Context) -> Result:
             import asyncio  # loaded for async handlers only
 
             outcome = asyncio.run(_awaited(outcome))
-    except Exception as exc:
+    except KeyboardInterrupt:
+        raise
+    except BaseException as exc:  # SystemExit, CancelledError: still the run's error
         return Result(error=_describe(exc))
     if outcome is None:
         return Result()
@@ -88,8 +90,12 @@ def run_in_thread(handler: Callable, batch: list[Event], ctx: Context, wake: thr
     box: list[Result] = []
 
     def target():
-        box.append(call(handler, batch, ctx))
-        wake.set()
+        try:
+            box.append(call(handler, batch, ctx))
+        finally:
+            if not box:
+                box.append(Result(error="the handler's thread ended without a result"))
+            wake.set()
 
     threading.Thread(target=target, name=f"handler-{ctx.user}", daemon=True).start()
     while not box:
@@ -204,6 +210,9 @@ class HandlerProcess:
                     message = conn.recv()
                 except (EOFError, OSError):
                     message = None  # it died: its exit code says why
+                except Exception as exc:  # read whole, but it cannot be rebuilt here
+                    unreadable = Result(error=f"the handler's result could not be read: {exc!r}"[:2000])
+                    return unreadable, time.monotonic() - started
                 if message == RUN_STARTED:
                     running = True
                     continue

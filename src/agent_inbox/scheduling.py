@@ -9,6 +9,9 @@ from agent_inbox import db, errors, metrics, validate
 from agent_inbox.records import Timer
 from agent_inbox.store import approvals, timers
 
+# The most missed occurrences one firing of a catch_up timer turns into events.
+MAX_CATCH_UP = 10_000
+
 # Timers fired per scheduler transaction; a pass loops until none are due.
 SCHEDULER_BATCH = 500
 
@@ -50,6 +53,9 @@ class Scheduling:
         if missed not in ("coalesce", "catch_up"):
             raise errors.InvalidTimer("missed", missed, "must be 'coalesce' or 'catch_up'")
         catch_up_limit = validate.positive_int("catch_up_limit", catch_up_limit)
+        if catch_up_limit > MAX_CATCH_UP:
+            raise errors.InvalidTimer("catch_up_limit", catch_up_limit,
+                                      f"must be at most {MAX_CATCH_UP} (events per firing)")
         if cron is not None:
             due = cron_schedule.parse(cron, timezone).next_after(due - 1)
         encoded = validate.mapping_payload("payload", payload, self.max_payload_bytes)

@@ -81,6 +81,9 @@ class Worker:
         # Slots whose last take or finish lost its connection: a take may have
         # committed unseen, so its runs are given back before the next take.
         self._unsure: set[int] = set()
+        # Started runs whose release failed (slot -> (run, when)): never given
+        # back as orphans (their handlers may have acted); their leases expire.
+        self._stranded: dict[int, list[tuple[Run, float]]] = {}
         self._lock = threading.Lock()
 
     # --- one take ---------------------------------------------------------------
@@ -147,13 +150,12 @@ class Worker:
                     or (called and time.monotonic() - began > TAKE_BUDGET)):
                 continue
             active.started = True
-            if self.processes:
-                result, took = self.processes[slot].run(active.run.events, active.ctx)
-            else:
-                took = time.monotonic()
-                result = handler.run_in_thread(self.handler, active.run.events, active.ctx,
-                                               active.wake)
-                took = time.monotonic() - took
+            try:
+                result, took = self._call_handler(active, slot)
+            except Exception as exc:  # the worker's side failed (a pipe, a thread): this run's error
+                log.exception("running the handler failed user=%s gen=%s", active.run.user,
+                              active.run.gen)
+                result, took = Result(error=f"the worker could not run the handler: {exc!r}"), 0.0
             results[n] = result
             seconds, called = seconds + took, called + 1
             metrics.RUN_SECONDS.observe(took)
@@ -162,6 +164,13 @@ class Worker:
             grown = min(fits, 2 * self._take_size[slot], self.max_users_per_take)
             self._take_size[slot] = max(1, grown)
         return results
+
+    def _call_handler(self, active: ActiveRun, slot: int) -> tuple[Result | None, float]:
+        if self.processes:
+            return self.processes[slot].run(active.run.events, active.ctx)
+        started = time.monotonic()
+        result = handler.run_in_thread(self.handler, active.run.events, active.ctx, active.wake)
+        return result, time.monotonic() - started
 
     def close(self) -> None:
         """Stop the slots' handler processes."""
@@ -172,8 +181,10 @@ class Worker:
                 now: int | None) -> list[bool]:
         """The fenced finishes and the give-backs, in one transaction, retried
         through database faults while the leases may still be valid. Unless
-        stopping, the same transaction takes the slot's next work. Accepted
-        flags, by position."""
+        stopping, the same transaction takes the slot's next work. If the shared
+        commit fails for another reason (one run's result the database refuses),
+        each run is committed alone, so one bad result costs only its own run.
+        Accepted flags, by position."""
         outcomes = [(n, self._outcome(actives[n], result))
                     for n, result in results.items() if result is not None]
         give_back = [n for n in range(len(actives)) if n not in results]
@@ -204,6 +215,18 @@ class Worker:
                     time.sleep(next(delays))
                 retrying = True
                 continue
+            except Exception:
+                if len(outcomes) + len(give_back) <= 1:
+                    raise
+                log.exception("a shared finish of %d runs failed; committing them one at a time",
+                              len(outcomes) + len(give_back))
+                for n, outcome in outcomes:
+                    accepted[n] = self._finish_alone(actives[n], outcome, now)
+                if give_back:
+                    self.inbox.hand_back([actives[n].run for n in give_back], now=now)
+                    for n in give_back:
+                        actives[n].settled = True
+                break
             if following:
                 self._carried[slot] = (following, started)
             for n in give_back:
@@ -221,9 +244,31 @@ class Worker:
                 active.settled = True
         return accepted
 
+    def _finish_alone(self, active: ActiveRun, outcome: Outcome, now: int | None) -> bool:
+        """One run's finish in a transaction of its own; if the database refuses
+        its result, the run is finished with that error instead (a retry later)."""
+        run = active.run
+        try:
+            [accepted], _ = self.inbox.finish_runs([outcome], now=now)
+        except (errors.DatabaseUnavailable, errors.TransactionConflict):
+            return False  # unsettled: released by run_once
+        except Exception as exc:
+            log.exception("the result of user=%s gen=%s cannot be committed", run.user, run.gen)
+            outcome = self.inbox.outcome(
+                run, Result(error=f"the run's result could not be committed: {exc!r}"[:2000]))
+            [accepted], _ = self.inbox.finish_runs([outcome], now=now)
+        active.settled = True
+        self._finished(outcome, accepted)
+        return accepted
+
     def _give_back_orphans(self, slot: int, known: list[Run], now: int | None) -> None:
-        """Give back the leases this slot's holder holds beyond `known`: runs a
-        commit took whose answer the lost connection never brought."""
+        """Give back the leases this slot's holder holds beyond `known` and the
+        runs whose release failed: runs a commit took whose answer the lost
+        connection never brought."""
+        fresh = [(run, at) for run, at in self._stranded.get(slot, ())
+                 if time.monotonic() - at <= self.inbox.lease_ttl]
+        self._stranded[slot] = fresh
+        known = list(known) + [run for run, _ in fresh]
         orphans = self.inbox.hand_back_orphans(self.holders[slot], known, now=now)
         self._unsure.discard(slot)
         if orphans:
@@ -276,6 +321,8 @@ class Worker:
                                                              now=now) else "already lost"
                 except Exception as exc:
                     done = f"left to expire ({exc})"
+                    slot = self.holders.index(run.holder)
+                    self._stranded.setdefault(slot, []).append((run, time.monotonic()))
             else:
                 done = "given back" if run.user in given_back else "not given back"
             log.warning("%s: lease %s user=%s holder=%s gen=%s", reason, done, run.user,
@@ -359,7 +406,8 @@ class Worker:
         started are given back, so other workers take over now."""
         with self._lock:
             running = list(self._active.values())
+        carried = list(self._carried.values())  # one C call: slot threads may still pop
         running += [ActiveRun(run, Context(run.user, run.holder, run.gen), threading.Event(), started)
-                    for runs, started in self._carried.values() for run in runs]
+                    for runs, started in carried for run in runs]
         self._carried.clear()
         self._abandon(running, "shutdown")

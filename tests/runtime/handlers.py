@@ -71,3 +71,18 @@ def slow_when_marked(batch, ctx):
     if any(e.payload.get("slow") for e in batch):
         return slow(batch, ctx)
     return Result(messages=["quick"])
+
+
+class NeedsTwo(Exception):
+    """Pickles, but cannot be unpickled (its __init__ needs two arguments)."""
+
+    def __init__(self, first, second):
+        super().__init__(f"{first} {second}")
+
+
+def unreadable_result(batch, ctx):
+    return Result(messages=[NeedsTwo("a", "b")])
+
+
+def exits(batch, ctx):
+    raise SystemExit(3)

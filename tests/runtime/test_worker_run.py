@@ -5,6 +5,7 @@ their slot's own process, so a crash kills only that run."""
 import os
 import time
 
+import psycopg
 import pytest
 
 import agent_inbox.worker
@@ -244,3 +245,44 @@ def test_a_commit_whose_answer_was_lost_gives_back_the_runs_it_took(inbox, worke
     assert [(r.user, r.gen) for r in w._carried[0][0]] == [("b", 2)]
     assert w.run_once(now=T) == {"runs": 1, "events": 1, "accepted": 1}
     assert [(e.status, e.attempts) for e in inbox.events("b")] == [("done", 1)]
+
+
+def test_a_result_the_database_refuses_costs_only_its_own_run(inbox, worker, monkeypatch):
+    monkeypatch.setattr(agent_inbox.worker, "TAKE_BUDGET", 60.0)
+    for user in ("first", "w1", "w2", "a", "bad", "c", "d"):
+        inbox.ingest(user, "chat", "1", {})
+    w = worker(inbox, "echo", max_users_per_take=8)
+    w.run_once(now=T)
+    w.run_once(now=T)                                     # the next take: a, bad, c, d
+    real_finish = inbox.finish_runs
+
+    def refuses_bad(outcomes, **options):                 # as PostgreSQL would, on a value
+        if any(o.run.user == "bad" and o.error is None for o in outcomes):
+            raise psycopg.errors.NumericValueOutOfRange("integer out of range")
+        return real_finish(outcomes, **options)
+
+    monkeypatch.setattr(inbox, "finish_runs", refuses_bad)
+    assert w.run_once(now=T) == {"runs": 4, "events": 4, "accepted": 4}
+    assert [m.body for u in "acd" for m in inbox.outbox(u)] == ["a:1", "c:1", "d:1"]
+    assert [inbox.events(u)[0].status for u in "acd"] == ["done"] * 3
+    [bad] = inbox.events("bad")
+    assert (bad.status, bad.attempts) == ("pending", 1)
+    assert "could not be committed" in bad.error and "integer out of range" in bad.error
+    assert inbox.outbox("bad") == []
+
+
+def test_a_result_the_worker_cannot_read_is_the_runs_error(inbox, worker):
+    inbox.ingest("u", "chat", "1", {})
+    w = worker(inbox, "unreadable_result")
+    assert w.run_once(now=T)["accepted"] == 1
+    [event] = inbox.events("u")
+    assert (event.status, event.attempts) == ("pending", 1)
+    assert "the handler's result could not be read" in event.error
+    assert w.processes[0]._process.is_alive()             # the process goes on
+
+
+def test_a_handler_raising_system_exit_in_a_thread_is_the_runs_error(inbox, worker):
+    inbox.ingest("u", "chat", "1", {})
+    assert worker(inbox, "exits", isolation="thread").run_once(now=T)["accepted"] == 1
+    [event] = inbox.events("u")
+    assert (event.status, event.error.split(" at ")[0]) == ("pending", "SystemExit: 3")
