@@ -16,6 +16,8 @@ CASES = {
     "user not a string": (lambda ib: ib.ingest(7, "s", "1", {}), InvalidInput, "user must be a string"),
     "empty source": (lambda ib: ib.ingest("u", "", "1", {}), InvalidInput, "source must not be empty"),
     "empty source_id": (lambda ib: ib.ingest("u", "s", "", {}), InvalidInput, "source_id must not be empty"),
+    "empty kind": (lambda ib: ib.ingest("u", "s", "1", {}, kind=""), InvalidInput, "kind must not be empty"),
+    "kind not text": (lambda ib: ib.ingest("u", "s", "1", {}, kind=3), InvalidInput, "kind must be a string"),
     "NUL in source_id": (lambda ib: ib.ingest("u", "s", "a\x00b", {}), InvalidInput, "NUL"),
     "surrogate in user": (lambda ib: ib.ingest("\ud800", "s", "1", {}), InvalidInput, "lone surrogate"),
     "surrogate in payload": (lambda ib: ib.ingest("u", "s", "1", {"a": "\ud800"}), InvalidPayload,

@@ -92,9 +92,10 @@ def stripe(base: str, user: str, payload, *, secret: str = STRIPE_SECRET, t: int
                  "Stripe-Signature": stripe_signature(secret, body, t, also=also)})
 
 def generic(base: str, source: str, user: str, payload, *, secret: str = LINEAR_SECRET,
-            key: str | None = "k-1", raw: bytes | None = None):
+            key: str | None = "k-1", raw: bytes | None = None, **extra_headers):
     body = raw if raw is not None else json.dumps(payload).encode()
-    headers = {"Content-Type": "application/json", "X-Signature": sign(secret, body)}
+    headers = {"Content-Type": "application/json", "X-Signature": sign(secret, body),
+               **extra_headers}
     if key is not None:
         headers["Idempotency-Key"] = key
     return post(f"{base}/hooks/{source}/{user}", body, headers)
@@ -152,6 +153,15 @@ def test_generic_source_is_stored_under_its_idempotency_key_then_redelivery_is_a
     assert stored(inbox) == [("linear", "lin-9", payload)]
     assert generic(base, "linear", "alice", payload, key="lin-9") == (200, {"status": "duplicate"})
     assert stored(inbox) == [("linear", "lin-9", payload)]
+
+def test_what_the_provider_calls_the_event_is_stored_as_its_kind(base, inbox):
+    assert github(base, "alice", {"n": 1}, delivery="g-1", **{"X-GitHub-Event": "issues"})[0] == 202
+    assert stripe(base, "alice", {"id": "evt_1", "type": "invoice.paid"})[0] == 202
+    assert stripe(base, "alice", {"id": "evt_2", "type": 7})[0] == 202      # not a name: no kind
+    assert generic(base, "linear", "alice", {"n": 2}, key="l-1", **{"X-Event-Type": "Issue"})[0] == 202
+    assert generic(base, "linear", "alice", {"n": 3}, key="l-2")[0] == 202
+    assert [(e.source_id, e.kind) for e in inbox.events("alice")] == [
+        ("g-1", "issues"), ("evt_1", "invoice.paid"), ("evt_2", None), ("l-1", "Issue"), ("l-2", None)]
 
 def test_the_same_key_from_another_source_or_user_is_a_different_event(base, inbox):
     assert github(base, "alice", {"n": 1}, delivery="same") == (202, {"status": "accepted"})

@@ -169,6 +169,17 @@ def test_ingest_many_reports_each_event_and_stores_each_key_once(inbox, monkeypa
     assert inbox.ingest_many([]) == []
 
 
+def test_an_events_kind_is_stored_and_reaches_the_claim(inbox):
+    assert inbox.ingest("u", "github", "d-1", {"ref": "main"}, kind="push")
+    assert inbox.ingest_many([("u", "github", "d-2", {}, "issues"), ("u", "chat", "m-1", {})]) == [
+        True, True]
+    gen = inbox.acquire("u", "A")
+    assert [(e.source_id, e.kind) for e in inbox.claim_batch("u", "A", gen)] == [
+        ("d-1", "push"), ("d-2", "issues"), ("m-1", None)]
+    inbox.ingest("v", "github", "d-3", {}, kind="pull_request")
+    assert [e.kind for e in inbox.take_work("B").events] == ["pull_request"]
+
+
 def test_ingest_many_with_one_bad_event_stores_nothing(inbox):
     from agent_inbox import InvalidInput
 

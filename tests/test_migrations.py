@@ -74,7 +74,19 @@ def test_require_head_refuses_an_unmigrated_database(empty_database_url, databas
     revision.require_head(database_url)
 
 
-def test_the_revision_services_require_is_the_head_of_the_migrations():
-    """revision.HEAD is what workers check at start without Alembic: a new
-    migration must move it, or every service would refuse the new schema."""
+def test_services_refuse_an_older_schema_and_accept_a_newer_one(database_url, caplog):
+    with psycopg.connect(database_url, autocommit=True) as conn:
+        conn.execute("UPDATE alembic_version SET version_num = '0001'")    # not yet migrated
+        with pytest.raises(errors.SchemaNotAtHead, match="at revision 0001, this agent-inbox needs"):
+            revision.require_head(database_url)
+        conn.execute("UPDATE alembic_version SET version_num = 'a1b2c3'")  # a later release's
+        revision.require_head(database_url)
+    assert "newer than this agent-inbox knows" in caplog.text
+
+
+def test_the_revisions_services_know_are_the_migrations_tree():
+    """revision.KNOWN is what workers check at start without Alembic: a new
+    migration must be added to it, or every service would take the new schema
+    for a later release's."""
+    assert revision.KNOWN == tuple(migrate.revisions())
     assert revision.HEAD == migrate.head_revision()

@@ -140,9 +140,9 @@ def test_events_lists_a_users_events_newest_first(capsys, database_url, world):
 
     code, out, _ = run_cli(capsys, database_url, "events", "--user", "alice", "--limit", "2")
     lines = out.splitlines()
-    assert code == 0 and lines[0].split() == ["id", "source", "source_id", "status", "attempts",
-                                              "error", "created"]
-    assert lines[2].split()[1:6] == ["chat", "a-3", "pending", "0", "-"]
+    assert code == 0 and lines[0].split() == ["id", "source", "source_id", "kind", "status",
+                                              "attempts", "error", "created"]
+    assert lines[2].split()[1:7] == ["chat", "a-3", "-", "pending", "0", "-"]
     assert lines[-1] == "(showing the newest 2 of 5 events: --limit)"
     code, out, _ = run_cli(capsys, database_url, "events", "--user", "nobody")
     assert (code, out) == (0, "user 'nobody' has no events\n")

@@ -79,36 +79,40 @@ class Inbox(Runs, Scheduling, Delivery):
 
     # --- inbox ---------------------------------------------------------------
 
-    def ingest(self, user: str, source: str, source_id: str, payload: Any) -> bool:
+    def ingest(self, user: str, source: str, source_id: str, payload: Any, *,
+               kind: str | None = None) -> bool:
         """Store an event once. False for a duplicate delivery (nothing stored).
+        `kind` is what the provider calls the event (GitHub's "push"), if any.
 
         Call it after the provider's signature check, then acknowledge."""
         user = validate.text("user", user)
         source = validate.text("source", source)
         source_id = validate.text("source_id", source_id)
         encoded = validate.payload("payload", payload, self.max_payload_bytes)
+        kind = validate.optional_text("kind", kind)
         with db.connection(self._pool) as conn:
-            stored = inbox.insert(conn, user, source, source_id, encoded)
+            stored = inbox.insert(conn, user, source, source_id, encoded, kind)
         metrics.count_ingested(source, stored)
         return stored
 
-    def ingest_many(self, events: Iterable[tuple[str, str, str, Any]]) -> list[bool]:
-        """Store many events (user, source, source_id, payload) in one transaction;
-        for each, True if stored, False for a duplicate (of a stored event or of an
-        earlier one in the batch). Every event is checked first: one bad event
-        raises and nothing is stored."""
+    def ingest_many(self, events: Iterable[tuple]) -> list[bool]:
+        """Store many events (user, source, source_id, payload[, kind]) in one
+        transaction; for each, True if stored, False for a duplicate (of a stored
+        event or of an earlier one in the batch). Every event is checked first:
+        one bad event raises and nothing is stored."""
         if isinstance(events, (str, bytes)) or not isinstance(events, Iterable):
-            raise errors.InvalidInput("events", events, "must be an iterable of 4-tuples")
+            raise errors.InvalidInput("events", events, "must be an iterable of tuples")
         rows = []
         for n, item in enumerate(events):
-            if not isinstance(item, (tuple, list)) or len(item) != 4:
+            if not isinstance(item, (tuple, list)) or len(item) not in (4, 5):
                 raise errors.InvalidInput(f"events[{n}]", item,
-                                          "must be (user, source, source_id, payload)")
-            user, source, source_id, payload = item
+                                          "must be (user, source, source_id, payload[, kind])")
+            user, source, source_id, payload, kind = (*item, None)[:5]
             rows.append((validate.text(f"events[{n}] user", user),
                          validate.text(f"events[{n}] source", source),
                          validate.text(f"events[{n}] source_id", source_id),
-                         validate.payload(f"events[{n}] payload", payload, self.max_payload_bytes)))
+                         validate.payload(f"events[{n}] payload", payload, self.max_payload_bytes),
+                         validate.optional_text(f"events[{n}] kind", kind)))
 
         def insert_all(conn) -> list[bool]:
             stored: list[bool] = []
@@ -117,7 +121,7 @@ class Inbox(Runs, Scheduling, Delivery):
             return stored
 
         stored = db.in_transaction(self._pool, insert_all)
-        for (_, source, _, _), was_stored in zip(rows, stored):
+        for (_, source, _, _, _), was_stored in zip(rows, stored):
             metrics.count_ingested(source, was_stored)
         return stored
 

@@ -79,3 +79,8 @@ def check(url: str) -> None:
 
 def head_revision() -> str:
     return ScriptDirectory.from_config(_config()).get_current_head()
+
+
+def revisions() -> list[str]:
+    """Every revision of the migrations tree, oldest first."""
+    return [r.revision for r in ScriptDirectory.from_config(_config()).walk_revisions()][::-1]

@@ -249,11 +249,11 @@ def _lease_expiry(user: dict) -> str | None:
 def cmd_events(args: argparse.Namespace, name: str) -> int:
     with _opened(args, name) as inbox, db.connection(inbox.pool) as conn:
         events, total = admin.events(conn, args.user, args.status, args.limit)
-    rows = [[e["id"], e["source"], e["source_id"], e["status"], e["attempts"], e["error"],
-             tables.when(e["created_at"])] for e in events]
+    rows = [[e["id"], e["source"], e["source_id"], e["kind"], e["status"], e["attempts"],
+             e["error"], tables.when(e["created_at"])] for e in events]
     what = f"{args.status} events" if args.status else "events"
-    text = (tables.format_table(["id", "source", "source_id", "status", "attempts", "error", "created"],
-                         rows) if events else f"user {args.user!r} has no {what}")
+    text = (tables.format_table(["id", "source", "source_id", "kind", "status", "attempts", "error",
+                                 "created"], rows) if events else f"user {args.user!r} has no {what}")
     if len(events) < total:
         text += f"\n(showing the newest {len(events)} of {total} {what}: --limit)"
     _emit(args, {"user": args.user, "status": args.status, "total": total, "events": events},

@@ -23,6 +23,7 @@ class Event:
     created_at: int
     available_at: int
     claimed_at: int | None
+    kind: str | None = None  # what the provider calls it, e.g. GitHub's "push"
 
     def __reduce__(self):
         # Pickled as its fields in order (half the cost of the default): every

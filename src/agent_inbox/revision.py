@@ -1,16 +1,24 @@
-"""The schema revision this code was written for, and the check every service
-makes at start: refuse a database whose schema is not at that revision.
+"""The schema revisions this code knows, and the check every service makes at
+start: refuse a database whose schema is older than this code needs.
 
-Read with one query and no Alembic, so a worker starts without loading Alembic
-and SQLAlchemy (a test keeps HEAD equal to the head of the migrations tree: a
-new migration must move it).
+A database at a revision this code does not know is taken to be newer (a later
+release migrated it first, as a rolling upgrade does) and is accepted with a
+warning: migrations only add (columns, tables, indexes), so older code keeps
+working on a newer schema. Read with one query and no Alembic, so a worker
+starts without loading Alembic and SQLAlchemy; a test keeps KNOWN equal to the
+migrations tree (a new migration must be added here).
 """
+
+import logging
 
 import psycopg
 
 from agent_inbox import errors
 
-HEAD = "0001"
+log = logging.getLogger("agent_inbox.revision")
+
+KNOWN = ("0001", "0002")  # oldest first
+HEAD = KNOWN[-1]
 
 
 def current_revision(url: str) -> str | None:
@@ -26,10 +34,14 @@ def current_revision(url: str) -> str | None:
 
 
 def require_head(url: str) -> None:
-    """Refuse to run services against a schema this code was not written for."""
+    """Refuse to run services against a schema older than this code needs."""
     current = current_revision(url)
-    if current != HEAD:
+    if current == HEAD:
+        return
+    if current is None or current in KNOWN:
         raise errors.SchemaNotAtHead(
             f"database schema is at revision {current or 'none (empty database)'}, "
             f"this agent-inbox needs {HEAD}: run `agent-inbox migrate` first"
         )
+    log.warning("database schema is at revision %s, newer than this agent-inbox knows (%s): "
+                "going on, as migrations only add", current, HEAD)

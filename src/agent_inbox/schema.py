@@ -41,6 +41,8 @@ events = sa.Table(
     # A retry is claimable again from here: set at claim to now + backoff.
     sa.Column("available_at", sa.BigInteger, nullable=False, server_default=DB_CLOCK),
     sa.Column("claimed_at", sa.BigInteger),
+    # What the provider calls the event (GitHub's X-GitHub-Event, Stripe's type).
+    sa.Column("kind", sa.Text),
     sa.PrimaryKeyConstraint("user_id", "id"),
     sa.UniqueConstraint("user_id", "source", "source_id"),
     sa.CheckConstraint(

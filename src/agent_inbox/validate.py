@@ -46,6 +46,10 @@ def epoch(field: str, value: object) -> int:
     return value
 
 
+def optional_text(field: str, value: object) -> str | None:
+    return None if value is None else text(field, value)
+
+
 def optional_epoch(field: str, value: object) -> int | None:
     return None if value is None else epoch(field, value)
 

@@ -134,14 +134,22 @@ def _stripe_event_id(request: Request, payload: Any) -> str:
     return _nonempty_key(payload.get("id"), "body id")
 
 
+def _stripe_event_type(request: Request, payload: dict) -> str | None:
+    kind = payload.get("type")
+    return kind if isinstance(kind, str) and kind else None
+
+
 class _Provider:
-    """How one kind of sender signs and names its deliveries."""
+    """How one kind of sender signs its deliveries, names them (the event key)
+    and says what they are (the event's kind, if it says)."""
 
     def __init__(self, signature_header: str, verify: Callable[[str | bytes, bytes, str], bool],
-                 event_key: Callable[[Request, Any], str]):
+                 event_key: Callable[[Request, Any], str],
+                 kind: Callable[[Request, Any], str | None]):
         self.signature_header = signature_header
         self.verify = verify
         self.event_key = event_key
+        self.kind = kind
 
 
 def build_app(inbox, secrets: SecretStore | Mapping[str, Mapping[str, str]],
@@ -163,16 +171,18 @@ def build_app(inbox, secrets: SecretStore | Mapping[str, Mapping[str, str]],
     github = _Provider(
         "X-Hub-Signature-256", signatures.verify_github,
         lambda request, payload: _nonempty_key(request.headers.get("x-github-delivery"),
-                                               "X-GitHub-Delivery header"))
+                                               "X-GitHub-Delivery header"),
+        lambda request, payload: request.headers.get("x-github-event") or None)
     stripe = _Provider(
         "Stripe-Signature",
         lambda secret, body, header: signatures.verify_stripe(
             secret, body, header, now=clock(), tolerance=stripe_tolerance),
-        _stripe_event_id)
+        _stripe_event_id, _stripe_event_type)
     generic = _Provider(
         "X-Signature", signatures.verify_generic,
         lambda request, payload: _nonempty_key(request.headers.get("idempotency-key"),
-                                               "Idempotency-Key header"))
+                                               "Idempotency-Key header"),
+        lambda request, payload: request.headers.get("x-event-type") or None)
 
     async def receive(request: Request, source: str, provider: _Provider) -> JSONResponse:
         user = request.path_params["user"]
@@ -191,7 +201,8 @@ def build_app(inbox, secrets: SecretStore | Mapping[str, Mapping[str, str]],
                 raise Reject(401, "signature verification failed")
             payload = parse_json(body)
             key = provider.event_key(request, payload)
-            stored = await run_in_threadpool(_ingest, inbox, user, source, key, payload)
+            kind = provider.kind(request, payload)
+            stored = await run_in_threadpool(_ingest, inbox, user, source, key, payload, kind)
         except Reject as rejected:
             return rejected.response()
         if stored:
@@ -246,10 +257,10 @@ def build_app(inbox, secrets: SecretStore | Mapping[str, Mapping[str, str]],
     return app
 
 
-def _ingest(inbox, user: str, source: str, key: str, payload: Any) -> bool:
+def _ingest(inbox, user: str, source: str, key: str, payload: Any, kind: str | None) -> bool:
     """`Inbox.ingest`, with its refusals turned into answers (in the threadpool)."""
     try:
-        return inbox.ingest(user, source, key, payload)
+        return inbox.ingest(user, source, key, payload, kind=kind)
     except errors.PayloadTooLarge as exc:
         raise Reject(413, str(exc)) from None
     except errors.InvalidInput as exc:

@@ -83,7 +83,7 @@ def status(conn, limit: int, now: int | None) -> dict:
 
 # One user's events (operator view), newest first, and how many match in all.
 EVENTS = """
-SELECT id, source, source_id, status, attempts, error, claim_gen,
+SELECT id, source, source_id, kind, status, attempts, error, claim_gen,
        created_at, available_at, claimed_at, count(*) OVER () AS total
   FROM events
  WHERE user_id = %(user)s AND (%(status)s::text IS NULL OR status = %(status)s)

@@ -15,20 +15,22 @@ from agent_inbox.store.clock import NOW
 
 EVENT_COLUMNS = (
     'id, user_id AS "user", source, source_id, payload, status, attempts, error, claim_gen,'
-    ' created_at, available_at, claimed_at'
+    ' created_at, available_at, claimed_at, kind'
 )
 
 # Invariant 1: ON CONFLICT turns a redelivery into a no-op.
 INSERT = """
-INSERT INTO events (user_id, source, source_id, payload)
-VALUES (%(user)s, %(source)s, %(source_id)s, %(payload)s::jsonb)
+INSERT INTO events (user_id, source, source_id, payload, kind)
+VALUES (%(user)s, %(source)s, %(source_id)s, %(payload)s::jsonb, %(kind)s)
 ON CONFLICT (user_id, source, source_id) DO NOTHING
 RETURNING id
 """
 
 
-def insert(conn, user: str, source: str, source_id: str, payload_json: str) -> bool:
-    params = {"user": user, "source": source, "source_id": source_id, "payload": payload_json}
+def insert(conn, user: str, source: str, source_id: str, payload_json: str,
+           kind: str | None = None) -> bool:
+    params = {"user": user, "source": source, "source_id": source_id, "payload": payload_json,
+              "kind": kind}
     return conn.execute(INSERT, params).fetchone() is not None
 
 
@@ -39,23 +41,24 @@ def insert(conn, user: str, source: str, source_id: str, payload_json: str) -> b
 # for each other rather than deadlock (unless one user's keys arrive in opposite
 # orders, which the caller retries).
 INSERT_MANY = """
-INSERT INTO events (user_id, source, source_id, payload)
-SELECT b.user_id, b.source, b.source_id, b.payload::jsonb
-  FROM unnest(%(users)s::text[], %(sources)s::text[], %(source_ids)s::text[], %(payloads)s::text[])
-       WITH ORDINALITY AS b(user_id, source, source_id, payload, n)
+INSERT INTO events (user_id, source, source_id, payload, kind)
+SELECT b.user_id, b.source, b.source_id, b.payload::jsonb, b.kind
+  FROM unnest(%(users)s::text[], %(sources)s::text[], %(source_ids)s::text[], %(payloads)s::text[],
+              %(kinds)s::text[])
+       WITH ORDINALITY AS b(user_id, source, source_id, payload, kind, n)
  ORDER BY b.user_id, b.n
     ON CONFLICT (user_id, source, source_id) DO NOTHING
 RETURNING user_id, source, source_id
 """
 
 
-def insert_many(conn, rows: list[tuple[str, str, str, str]]) -> list[bool]:
-    """rows are (user, source, source_id, payload_json); True where stored."""
-    columns = list(zip(*rows)) if rows else [(), (), (), ()]
-    params = dict(zip(("users", "sources", "source_ids", "payloads"), map(list, columns)))
+def insert_many(conn, rows: list[tuple[str, str, str, str, str | None]]) -> list[bool]:
+    """rows are (user, source, source_id, payload_json, kind); True where stored."""
+    columns = list(zip(*rows)) if rows else [(), (), (), (), ()]
+    params = dict(zip(("users", "sources", "source_ids", "payloads", "kinds"), map(list, columns)))
     stored = {tuple(r) for r in conn.execute(INSERT_MANY, params).fetchall()}
     result = []
-    for user, source, source_id, _ in rows:
+    for user, source, source_id, _, _ in rows:
         key = (user, source, source_id)
         result.append(key in stored)
         stored.discard(key)  # a repeat inside the batch is a duplicate

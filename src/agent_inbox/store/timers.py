@@ -158,7 +158,7 @@ def fire_due_cron(conn, now: int | None, limit: int) -> tuple[int, int]:
                 body["skipped"] = total - 1
             else:
                 body.update(skipped=0, overflow=total - len(emitted))
-            rows.append((user, "timer", f"{timer_id}@{at}", json.dumps(body)))
+            rows.append((user, "timer", f"{timer_id}@{at}", json.dumps(body), None))
         inbox.insert_many(conn, rows)
         conn.execute(ADVANCE_CRON, {"user": user, "timer_id": timer_id,
                                     "due": schedule.next_after(now_db)})
