@@ -181,9 +181,10 @@ class Worker:
                 now: int | None) -> list[bool]:
         """The fenced finishes and the give-backs, in one transaction, retried
         through database faults while the leases may still be valid. Unless
-        stopping, the same transaction takes the slot's next work. If the shared
-        commit fails for another reason (one run's result the database refuses),
-        each run is committed alone, so one bad result costs only its own run.
+        stopping, the same transaction takes the slot's next work. If the commit
+        fails for another reason (a run's result the database refuses), each run
+        is committed alone, a refused result as its run's error, so one bad
+        result costs only its own run, one attempt.
         Accepted flags, by position."""
         outcomes = [(n, self._outcome(actives[n], result))
                     for n, result in results.items() if result is not None]
@@ -216,9 +217,7 @@ class Worker:
                 retrying = True
                 continue
             except Exception:
-                if len(outcomes) + len(give_back) <= 1:
-                    raise
-                log.exception("a shared finish of %d runs failed; committing them one at a time",
+                log.exception("the finish of %d runs failed; committing them one at a time",
                               len(outcomes) + len(give_back))
                 for n, outcome in outcomes:
                     accepted[n] = self._finish_alone(actives[n], outcome, now)

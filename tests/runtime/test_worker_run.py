@@ -271,6 +271,23 @@ def test_a_result_the_database_refuses_costs_only_its_own_run(inbox, worker, mon
     assert inbox.outbox("bad") == []
 
 
+def test_a_lone_run_whose_result_the_database_refuses_is_finished_with_the_error(
+        inbox, worker, monkeypatch):
+    inbox.ingest("bad", "chat", "1", {})
+    w = worker(inbox, "echo")
+    real_finish = inbox.finish_runs
+
+    def refuses_messages(outcomes, **options):
+        if any(o.messages for o in outcomes):
+            raise psycopg.errors.NumericValueOutOfRange("integer out of range")
+        return real_finish(outcomes, **options)
+
+    monkeypatch.setattr(inbox, "finish_runs", refuses_messages)
+    assert w.run_once(now=T) == {"runs": 1, "events": 1, "accepted": 1}
+    [bad] = inbox.events("bad")
+    assert (bad.status, bad.attempts) == ("pending", 1) and "could not be committed" in bad.error
+
+
 def test_a_result_the_worker_cannot_read_is_the_runs_error(inbox, worker):
     inbox.ingest("u", "chat", "1", {})
     w = worker(inbox, "unreadable_result")
