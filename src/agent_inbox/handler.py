@@ -193,15 +193,15 @@ class HandlerProcess:
                 self.stop()
                 continue
             answer = self._answer(process, conn, lost, ctx, started)
-            if answer is not None and answer[0] is RUN_STARTED:
+            if answer is None:
                 continue  # it died before the handler was called
             return answer
         died = f"handler process died before the run started, {DEATHS_BEFORE_START} times"
         return Result(error=died), time.monotonic() - started
 
     def _answer(self, process, conn, lost, ctx: Context, started: float):
-        """(result, seconds), (None, seconds) if the lease was lost, or
-        (RUN_STARTED, 0) if the process died before calling the handler."""
+        """(result, seconds), (None, seconds) if the lease was lost, or None if
+        the process died before calling the handler."""
         running = False
         while True:
             ready = wait_any([conn, process.sentinel], timeout=0.2)
@@ -222,7 +222,7 @@ class HandlerProcess:
                 process.join()
                 self.stop()
                 if not running:
-                    return RUN_STARTED, 0.0
+                    return None
                 died = Result(error=f"handler process died (exit code {process.exitcode})")
                 return died, time.monotonic() - started
             if ctx.lease_lost.is_set():
