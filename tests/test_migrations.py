@@ -1,6 +1,7 @@
 """Migrations: from empty to head, down to base and up again, no drift from
 schema.py, offline SQL, concurrent migrate processes, and the head check."""
 
+import re
 import subprocess
 import sys
 
@@ -90,3 +91,29 @@ def test_the_revisions_services_know_are_the_migrations_tree():
     for a later release's."""
     assert revision.KNOWN == tuple(migrate.revisions())
     assert revision.HEAD == migrate.head_revision()
+
+
+def test_migrate_on_a_newer_schema_says_so_and_succeeds(database_url, capsys):
+    """A node still on an older release runs `migrate` first (compose does): it
+    must not fail on the newer schema a later release left."""
+    from agent_inbox import cli
+
+    with psycopg.connect(database_url, autocommit=True) as conn:
+        conn.execute("UPDATE alembic_version SET version_num = 'a1b2c3'")
+    assert cli.main(["migrate", "--database-url", database_url]) == 0
+    assert "at revision a1b2c3, newer than this agent-inbox knows" in capsys.readouterr().out
+    assert revision.current_revision(database_url) == "a1b2c3"
+
+
+def test_migrations_after_the_first_only_add():
+    """Older services keep running on a newer schema (revision.require_head), so a
+    migration after 0001 may add tables, indexes and nullable or defaulted
+    columns, and nothing else."""
+    sql = migrate.upgrade_sql(f"{revision.KNOWN[0]}:head")
+    code = "\n".join(line for line in sql.splitlines() if not line.lstrip().startswith("--"))
+    statements = [" ".join(s.upper().split()) for s in code.split(";") if s.strip()]
+    assert any("ADD COLUMN KIND" in s for s in statements)
+    for statement in statements:
+        assert not re.search(r"\bDROP\b|\bRENAME\b|ALTER COLUMN|SET NOT NULL", statement), statement
+        if "ADD COLUMN" in statement:
+            assert "NOT NULL" not in statement or "DEFAULT" in statement, statement

@@ -37,6 +37,11 @@ def cmd_migrate(args: argparse.Namespace) -> int:
         return 0
     if not args.database_url:
         raise errors.InvalidInput("--database-url", None, "is required (or AGENT_INBOX_DATABASE_URL)")
+    current = revision.current_revision(args.database_url)
+    if current is not None and current not in revision.KNOWN:
+        print(f"database at revision {current}, newer than this agent-inbox knows "
+              f"({revision.HEAD}): nothing to do")
+        return 0
     migrate.upgrade(args.database_url, args.revision)
     print(f"database at revision {revision.current_revision(args.database_url)}")
     return 0

@@ -49,7 +49,7 @@ class InvalidAnswer(InvalidInput):
 
 
 class SchemaNotAtHead(AgentInboxError):
-    """The database schema is not at the revision this code was written for."""
+    """The database schema is older than this code needs (or was never migrated)."""
 
 
 class DatabaseUnavailable(AgentInboxError):
