@@ -1,0 +1,33 @@
+"""A dense storm of poison events among healthy ones, through real worker
+processes that take several users per take: every poison event is dead after
+max_attempts, and no healthy event is charged an attempt by another user's
+crash (each crash kills only the run it was in; the runs behind it in the same
+take run in a new handler process, or are given back untouched)."""
+
+from tests.runtime.support import scalar, wait_until, worker_args
+
+USERS = 40
+POISON_EVERY = 3  # users 0, 3, 6, ...: 14 poison users among 40
+
+
+def test_a_poison_storm_kills_only_the_poison_events(database_url, inbox, spawn):
+    inbox.ingest_many([(f"u{n:02}", "chat", str(k), {"poison": n % POISON_EVERY == 0 and k == 0})
+                       for k in range(2) for n in range(USERS)])
+    for _ in range(2):
+        spawn(*worker_args(database_url, "crash_process", "--concurrency", "2",
+                           "--retry-backoff", "1", "--poll-interval", "0.2",
+                           "--log-level", "warning"))
+    wait_until(lambda: scalar(database_url, "SELECT count(*) FROM events "
+                                            "WHERE status IN ('pending', 'running')") == 0,
+               "every event to be done or dead", timeout=120)
+
+    poison = [e for n in range(0, USERS, POISON_EVERY) for e in inbox.events(f"u{n:02}")
+              if e.payload["poison"]]
+    healthy = [e for n in range(USERS) for e in inbox.events(f"u{n:02}") if not e.payload["poison"]]
+    assert len(poison) == 14 and len(healthy) == 2 * USERS - 14
+    assert {(e.status, e.attempts) for e in poison} == {("dead", 3)}
+    # A healthy event batched with its own user's poison event shares that
+    # claim (the reference's batch rule) and may be charged; no other is.
+    charged = [e for e in healthy if e.attempts != 1]
+    assert all(e.status == "done" for e in healthy)
+    assert all(int(e.user[1:]) % POISON_EVERY == 0 for e in charged), charged
