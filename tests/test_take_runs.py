@@ -1,7 +1,8 @@
 """Several users per take: each user its own run, lease, generation and fence;
 the take never returns empty while a free user has work; concurrent takers never
 share a user; one refused fence in a shared finish commits nothing of that run
-and everything of the others."""
+and everything of the others; runs given back cost nothing, and a retry whose
+last run did not finish is still seen unfinished when taken again."""
 
 import psycopg
 import pytest
@@ -43,21 +44,12 @@ def test_a_refused_fence_in_a_shared_finish_leaves_the_other_runs_committed(inbo
     a, b, c = inbox.take_runs("H", users=3, now=T)
     stale_b = Run(b.user, b.holder, b.gen + 1, b.claimed_at, b.events)  # a generation not held
     outcomes = [inbox.outcome(run, Result(messages=[f"to {run.user}"])) for run in (a, stale_b, c)]
-    accepted, taken = inbox.finish_runs(outcomes, now=T + 1)
-    assert (accepted, taken) == ([True, False, True], [])
+    accepted = inbox.finish_runs(outcomes, now=T + 1)
+    assert accepted == [True, False, True]
     assert [m.body for u in "abc" for m in inbox.outbox(u)] == ["to a", "to c"]
     assert [inbox.events(u)[0].status for u in "abc"] == ["done", "running", "done"]
     assert inbox.acquire("a", "other", now=T + 1) == 2        # released in the same commit
     assert inbox.acquire("b", "other", now=T + 1) is None     # b's lease still held by H
-
-
-def test_a_shared_finish_takes_the_holders_next_users_in_the_same_commit(inbox):
-    ingest_in_order(inbox, [("a", "1"), ("b", "1"), ("c", "1"), ("d", "1")])
-    first = inbox.take_runs("H", users=2, now=T)
-    outcomes = [inbox.outcome(run, Result()) for run in first]
-    accepted, following = inbox.finish_runs(outcomes, take_as="H", take_users=2, now=T + 1)
-    assert accepted == [True, True]
-    assert [(r.user, r.holder, r.gen) for r in following] == [("c", "H", 1), ("d", "H", 1)]
 
 
 def test_concurrent_takers_never_share_a_user(database_url, make_inbox, inbox):
@@ -114,14 +106,27 @@ def test_a_holder_gives_back_the_runs_a_lost_commit_took_unseen(inbox):
 
 
 def test_an_orphan_of_a_known_user_in_a_newer_generation_is_given_back(inbox):
-    """A lost commit finished user a's run (gen 1) and took a again (gen 2)."""
+    """A lost answer hid that user a's run (gen 1) was finished and a taken again (gen 2)."""
     ingest_in_order(inbox, [("a", "1")])
     [first] = inbox.take_runs("H", users=1, now=T)
     inbox.ingest("a", "chat", "2", {})
-    _, [again] = inbox.finish_runs([inbox.outcome(first, Result())], take_as="H", now=T)
+    assert inbox.finish_runs([inbox.outcome(first, Result())], now=T) == [True]
+    [again] = inbox.take_runs("H", users=1, now=T)
     assert again.gen == first.gen + 1
     assert inbox.hand_back_orphans("H", [first], now=T) == ["a"]
     assert [(e.status, e.attempts) for e in inbox.events("a")] == [("done", 1), ("pending", 0)]
+
+
+def test_an_unfinished_retry_given_back_is_still_unfinished_when_taken_again(inbox):
+    ingest_in_order(inbox, [("a", "1")])
+    inbox.take_runs("died", users=1, now=T)                   # its run never finished
+    [retry] = inbox.take_runs("H", users=1, now=T + 1000)
+    assert (retry.unfinished, [e.attempts for e in retry.events]) == (1, [2])
+    assert inbox.hand_back([retry], now=T + 1000) == ["a"]
+    [event] = inbox.events("a")
+    assert (event.status, event.attempts) == ("running", 1)   # under the given-back gen
+    [again] = inbox.take_runs("H2", users=1, now=T + 1000)
+    assert (again.unfinished, [e.attempts for e in again.events]) == (1, [2])
 
 
 def test_a_given_back_event_keeps_its_place_in_the_queue(database_url, inbox):

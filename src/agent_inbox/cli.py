@@ -54,17 +54,32 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
-def open_service_inbox(args: argparse.Namespace, pool_size: int, **options):
-    """Logging, the schema check (refuse to start on a schema not at head), the pool."""
+def open_service_inbox(args: argparse.Namespace, pool_size: int, *, stop=None, **options):
+    """Logging, the schema check (refuse to start on a schema not at head), the pool.
+    With `stop`, a database that refuses connections (down, or too many clients)
+    is waited for, with backoff, until it answers or `stop` is set (then None)."""
     from agent_inbox import Inbox, revision
+    from agent_inbox.service import backoff_delays
 
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s %(message)s")
     if not args.database_url:
         raise errors.InvalidInput("--database-url", None, "is required (or AGENT_INBOX_DATABASE_URL)")
-    revision.require_head(args.database_url)
-    inbox = Inbox.connect(args.database_url, pool_size=pool_size,
-                          application_name=f"agent-inbox-{args.command}", **options)
+    delays = backoff_delays()
+    while True:
+        try:
+            revision.require_head(args.database_url)
+            inbox = Inbox.connect(args.database_url, pool_size=pool_size,
+                                  application_name=f"agent-inbox-{args.command}", **options)
+            break
+        except errors.DatabaseUnavailable as exc:
+            if stop is None:
+                raise
+            pause = next(delays)
+            logging.getLogger("agent_inbox").warning(
+                "database unavailable at start (%s); retrying in %.1f s", exc, pause)
+            if stop.wait(pause):
+                return None
     if args.metrics_port:
         from agent_inbox import metrics
 
@@ -73,18 +88,38 @@ def open_service_inbox(args: argparse.Namespace, pool_size: int, **options):
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
+    from agent_inbox import supervisor
+
+    for flag in ("isolation", "max_users_per_take"):
+        if getattr(args, flag) is not None:
+            raise errors.InvalidInput(f"--{flag.replace('_', '-')}", getattr(args, flag),
+                                      REMOVED_WORKER_FLAGS)
+    holder = os.environ.get(supervisor.HOLDER_ENV)
+    if holder is None:  # the supervisor: it runs the runtime below in a child
+        return supervisor.supervise(args.argv)
     from agent_inbox.service import Stop
-    from agent_inbox.worker import Worker
+    from agent_inbox.worker import POOL_SIZE, Worker
 
     stop = Stop().install()
-    with open_service_inbox(args, args.concurrency + 2, lease_ttl=args.lease_ttl,
-                             max_attempts=args.max_attempts,
-                             retry_backoff=args.retry_backoff) as inbox:
+    inbox = open_service_inbox(args, POOL_SIZE, stop=stop, lease_ttl=args.lease_ttl,
+                               max_attempts=args.max_attempts, retry_backoff=args.retry_backoff,
+                               max_batch=args.max_batch)
+    if inbox is None:
+        return 0
+    with inbox:
         Worker(inbox, args.handler, concurrency=args.concurrency,
-               poll_interval=args.poll_interval, grace=args.grace,
-               isolation=args.isolation, max_users_per_take=args.max_users_per_take,
-               stop=stop).serve(args.database_url)
+               poll_interval=args.poll_interval, grace=args.grace, run_timeout=args.run_timeout,
+               quarantine=args.quarantine, holder=holder, stop=stop).serve(
+            args.database_url, predecessor=os.environ.get(supervisor.PREDECESSOR_ENV),
+            predecessor_fate=os.environ.get(supervisor.FATE_ENV, "died"))
     return 0
+
+
+REMOVED_WORKER_FLAGS = (
+    "was removed: a worker now runs up to --concurrency runs in one process (async handlers "
+    "on one event loop, plain ones on threads), takes exactly as many users as it has room "
+    "for, and runs a run whose last attempt ended without a finish alone in a quarantine "
+    "process (--quarantine N); drop the flag")
 
 
 def cmd_scheduler(args: argparse.Namespace) -> int:
@@ -146,7 +181,8 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("--handler", default=env_default("handler"), required=not env_default("handler"),
                         help="module:function called as handle(batch, ctx)")
     worker.add_argument("--concurrency", type=int, default=env_default("concurrency", 1),
-                        help="users' runs at once in this process (default 1)")
+                        help="users' runs at once in this process (default 1); the process uses "
+                             "4 database connections whatever this is")
     worker.add_argument("--lease-ttl", type=int, default=env_default("lease-ttl", 120),
                         help="seconds a lease lasts without renewal (default 120)")
     worker.add_argument("--max-attempts", type=int, default=env_default("max-attempts", 3))
@@ -154,14 +190,16 @@ def build_parser() -> argparse.ArgumentParser:
                         help="first retry's backoff in seconds, doubling per attempt (default 5)")
     worker.add_argument("--grace", type=float, default=env_default("grace", 30.0),
                         help="seconds running handlers get to finish on SIGTERM (default 30)")
-    worker.add_argument("--isolation", choices=("process", "thread"),
-                        default=env_default("isolation", "process"),
-                        help="run each slot's handlers in a process of its own, so a crash "
-                             "kills only that run (default), or in threads of the worker")
-    worker.add_argument("--max-users-per-take", type=int,
-                        default=env_default("max-users-per-take", 32),
-                        help="most users a slot takes at once while its handlers are quick "
-                             "(default 32; 1 takes one user at a time)")
+    worker.add_argument("--run-timeout", type=float, default=env_default("run-timeout", 900.0),
+                        help="seconds a run may take before it is stopped and its lease "
+                             "released, the attempt counted (default 900)")
+    worker.add_argument("--max-batch", type=int, default=env_default("max-batch", 100),
+                        help="most events one run claims (default 100)")
+    worker.add_argument("--quarantine", type=int, default=env_default("quarantine", 2),
+                        help="processes that run, each alone, the runs whose last attempt ended "
+                             "without a finish (default 2)")
+    worker.add_argument("--isolation", default=None, help=argparse.SUPPRESS)
+    worker.add_argument("--max-users-per-take", default=None, help=argparse.SUPPRESS)
     worker.set_defaults(run=cmd_worker)
 
     scheduler = _service_parser(commands, "scheduler", "turn due timers into inbox events", 5.0)
@@ -185,6 +223,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
     try:
         return args.run(args)
     except errors.AgentInboxError as exc:

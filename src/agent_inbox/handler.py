@@ -1,17 +1,21 @@
-"""Running a user's handler for one run: in a handler process, or in a thread.
+"""Calling a user's handler for one run, and the quarantine process that runs a
+suspect run alone.
 
-A handler is `handle(batch, ctx)` (or `async def`) returning `Result`, `None`
-(nothing to say) or raising. Whatever it does becomes a `Result`: an exception or
-a wrong return type is `Result(error=...)`.
+A handler is `handle(batch, ctx)` or `async def handle(batch, ctx)`, returning
+`Result`, `None` (nothing to say) or raising. Whatever it does becomes a
+`Result`: an exception or a wrong return type is `Result(error=...)`.
 
-Isolation (the default): each worker slot runs its handlers in a long-lived
-process of its own (`HandlerProcess`). An event that crashes its process (a
-poison event) kills only that slot's run: the worker and the other users' runs
-beside it live on, so healthy events are parked dead only by crashes of their
-own. The slot starts a new process and goes on. Thread mode (`run_in_thread`)
-shares the worker's process: cheaper, for handlers that cannot crash it.
+`ctx.lease_lost` is set when the run's lease is gone (a renewal was refused or
+failed past the TTL, the run timed out, the worker is stopping and the grace
+period ended): nothing the run returns will commit. A thread checks
+`ctx.lease_lost.is_set()` or waits with `.wait(seconds)`; an async handler may
+`await ctx.lease_lost`, and is cancelled anyway when it is set.
+
+A `HandlerProcess` runs one run at a time in a process of its own (the worker's
+quarantine, see worker/): a run that kills its process kills only itself.
 """
 
+import asyncio
 import importlib
 import inspect
 import multiprocessing
@@ -28,15 +32,57 @@ from agent_inbox.records import Event
 from agent_inbox.result import Result
 
 
+class LeaseLost:
+    """A flag set once, from any thread, that threads wait on and coroutines await."""
+
+    def __init__(self):
+        self._event = threading.Event()
+        self._guard = threading.Lock()
+        self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future]] = []
+
+    def set(self) -> None:
+        with self._guard:
+            self._event.set()
+            waiters, self._waiters = self._waiters, []
+        for loop, future in waiters:
+            try:
+                loop.call_soon_threadsafe(_resolve, future)
+            except RuntimeError:  # that loop is closed: nobody waits any more
+                pass
+
+    def is_set(self) -> bool:
+        return self._event.is_set()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        return self._event.wait(timeout)
+
+    def __await__(self):
+        return self._wait_async().__await__()
+
+    async def _wait_async(self) -> bool:
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        with self._guard:
+            if self._event.is_set():
+                return True
+            self._waiters.append((loop, future))
+        await future
+        return True
+
+
+def _resolve(future: asyncio.Future) -> None:
+    if not future.done():
+        future.set_result(True)
+
+
 @dataclass
 class Context:
-    """What a handler knows about its run. `lease_lost` is set when the lease could
-    not be renewed or has lapsed: the run's result will be refused, so stop."""
+    """What a handler knows about its run (see `LeaseLost` for `lease_lost`)."""
 
     user: str
     holder: str
     gen: int
-    lease_lost: Any = field(default_factory=threading.Event)
+    lease_lost: LeaseLost = field(default_factory=LeaseLost)
 
 
 def load(reference: str) -> Callable:
@@ -55,18 +101,45 @@ def load(reference: str) -> Callable:
     return target
 
 
-def call(handler: Callable, batch: list[Event], ctx: Context) -> Result:
-    """Run the handler to completion here; never raises."""
+def is_async(handler: Callable) -> bool:
+    """Whether calling the handler makes a coroutine (async def, or an object
+    whose __call__ is async)."""
+    return inspect.iscoroutinefunction(handler) or inspect.iscoroutinefunction(
+        getattr(handler, "__call__", None))
+
+
+def call(handler: Callable, batch: list[Event], ctx: Context,
+         await_on: Callable[[Any], Any]) -> Result:
+    """Run a handler to completion in this thread; an awaitable it returns is
+    handed to `await_on`, which waits for it (on an event loop). Never raises."""
     try:
         outcome = handler(batch, ctx)
         if inspect.isawaitable(outcome):
-            import asyncio  # loaded for async handlers only
-
-            outcome = asyncio.run(_awaited(outcome))
+            outcome = await_on(outcome)
     except KeyboardInterrupt:
         raise
     except BaseException as exc:  # SystemExit, CancelledError: still the run's error
-        return Result(error=_describe(exc))
+        return Result(error=describe(exc))
+    return as_result(outcome)
+
+
+async def call_async(handler: Callable, batch: list[Event], ctx: Context) -> Result:
+    """Run an async handler as a task on the caller's loop. Raises CancelledError
+    only when the task is cancelled; every other exception is the run's error."""
+    try:
+        outcome = await handler(batch, ctx)
+    except asyncio.CancelledError:
+        raise
+    except BaseException as exc:
+        return Result(error=describe(exc))
+    return as_result(outcome)
+
+
+async def awaited(awaitable):
+    return await awaitable
+
+
+def as_result(outcome) -> Result:
     if outcome is None:
         return Result()
     if not isinstance(outcome, Result):
@@ -74,37 +147,13 @@ def call(handler: Callable, batch: list[Event], ctx: Context) -> Result:
     return outcome
 
 
-async def _awaited(awaitable):
-    return await awaitable
-
-
-def _describe(exc: BaseException) -> str:
+def describe(exc: BaseException) -> str:
     last = traceback.extract_tb(exc.__traceback__)[-1:] if exc.__traceback__ else []
     where = f" at {last[0].filename}:{last[0].lineno}" if last else ""
     return f"{type(exc).__name__}: {exc}{where}"[:2000]
 
 
-def run_in_thread(handler: Callable, batch: list[Event], ctx: Context, wake: threading.Event) -> Result | None:
-    """Run in a daemon thread; None if the lease was lost first (the thread is
-    abandoned: its result would be refused by the fence anyway)."""
-    box: list[Result] = []
-
-    def target():
-        try:
-            box.append(call(handler, batch, ctx))
-        finally:
-            if not box:
-                box.append(Result(error="the handler's thread ended without a result"))
-            wake.set()
-
-    threading.Thread(target=target, name=f"handler-{ctx.user}", daemon=True).start()
-    while not box:
-        wake.wait()
-        wake.clear()
-        if not box and ctx.lease_lost.is_set():
-            return None
-    return box[0]
-
+# --- the quarantine process ----------------------------------------------------------
 
 _SPAWN = multiprocessing.get_context("spawn")
 
@@ -127,10 +176,12 @@ RUN_STARTED = "started"
 DEATHS_BEFORE_START = 3
 
 
-def _serve_runs(reference: str, conn, lease_lost, parent: int) -> None:
+def _serve_runs(reference: str, conn, parent: int) -> None:
     """A handler process's loop: one run per message, answered with (result,
-    seconds the handler took), until the pipe closes."""
+    seconds the handler took), until the pipe closes. Async handlers run on one
+    event loop that lives as long as the process."""
     _exit_with_parent(parent)
+    loop = asyncio.new_event_loop()
     try:
         target = load(reference)
     except errors.AgentInboxError as exc:
@@ -140,71 +191,75 @@ def _serve_runs(reference: str, conn, lease_lost, parent: int) -> None:
             batch, user, holder, gen = conn.recv()
         except EOFError:
             return
-        ctx = Context(user=user, holder=holder, gen=gen, lease_lost=lease_lost)
+        ctx = Context(user=user, holder=holder, gen=gen)  # never set: the process is stopped
         conn.send(RUN_STARTED)
         started = time.monotonic()
-        result = call(target, batch, ctx) if target else Result(error=problem)
+        if target is None:
+            result = Result(error=problem)
+        else:
+            result = call(target, batch, ctx, lambda outcome: loop.run_until_complete(awaited(outcome)))
         conn.send((result, time.monotonic() - started))
 
 
+@dataclass(frozen=True)
+class Crashed:
+    """The process running the handler died during the run (a poison event)."""
+
+    error: str
+
+
 class HandlerProcess:
-    """A slot's handler process, started again whenever it dies. `run` is called
-    by the slot's thread only; `stop` may come from another (shutdown)."""
+    """A long-lived process that runs one run at a time, started again whenever
+    it dies. `run` is called by one thread at a time; `stop` may come from another."""
 
     def __init__(self, reference: str, name: str):
         self.reference, self.name = reference, name
         self._guard = threading.Lock()
-        self._process = self._conn = self._lost = None
+        self._process = self._conn = None
 
     def _start(self):
         conn, child_conn = _SPAWN.Pipe()
-        lost = _SPAWN.Event()
         process = _SPAWN.Process(target=_serve_runs, name=self.name, daemon=True,
-                                 args=(self.reference, child_conn, lost, os.getpid()))
+                                 args=(self.reference, child_conn, os.getpid()))
         process.start()
         child_conn.close()
         with self._guard:
-            self._process, self._conn, self._lost = process, conn, lost
-        return process, conn, lost
+            self._process, self._conn = process, conn
+        return process, conn
 
-    def start(self) -> None:
-        """Start the process now (a worker does so before taking work, so the
-        first run does not wait for an interpreter to start)."""
-        with self._guard:
-            running = self._process is not None and self._process.is_alive()
-        if not running:
-            self._start()
+    @property
+    def pid(self) -> int | None:
+        process = self._process
+        return process.pid if process is not None else None
 
-    def run(self, batch: list[Event], ctx: Context) -> tuple[Result | None, float]:
-        """The run's result and the seconds it took; a crash of the process
-        during the run is the run's error. None if the lease was lost first (the
-        process is stopped: its answer would be refused by the fence, and it may
-        be stuck)."""
+    def run(self, batch: list[Event], ctx: Context) -> tuple[Result | Crashed | None, float]:
+        """The run's result (Crashed if the process died during the run) and the
+        seconds it took; None if `ctx.lease_lost` was set first (the process is
+        stopped: its answer would be refused by the fence, and it may be stuck)."""
         started = time.monotonic()
         for _ in range(DEATHS_BEFORE_START):
             with self._guard:
-                current = (self._process, self._conn, self._lost)
-            process, conn, lost = current if current[0] and current[0].is_alive() else self._start()
-            lost.clear()
+                current = (self._process, self._conn)
+            process, conn = current if current[0] and current[0].is_alive() else self._start()
             started = time.monotonic()
             try:
                 conn.send((batch, ctx.user, ctx.holder, ctx.gen))
             except OSError:  # it died after the check: nothing ran yet
                 self.stop()
                 continue
-            answer = self._answer(process, conn, lost, ctx, started)
+            answer = self._answer(process, conn, ctx, started)
             if answer is None:
                 continue  # it died before the handler was called
             return answer
         died = f"handler process died before the run started, {DEATHS_BEFORE_START} times"
         return Result(error=died), time.monotonic() - started
 
-    def _answer(self, process, conn, lost, ctx: Context, started: float):
+    def _answer(self, process, conn, ctx: Context, started: float):
         """(result, seconds), (None, seconds) if the lease was lost, or None if
         the process died before calling the handler."""
         running = False
         while True:
-            ready = wait_any([conn, process.sentinel], timeout=0.2)
+            ready = wait_any([conn, process.sentinel], timeout=0.1)
             if conn in ready:
                 try:
                     message = conn.recv()
@@ -223,10 +278,9 @@ class HandlerProcess:
                 self.stop()
                 if not running:
                     return None
-                died = Result(error=f"handler process died (exit code {process.exitcode})")
-                return died, time.monotonic() - started
+                return (Crashed(f"handler process died (exit code {process.exitcode})"),
+                        time.monotonic() - started)
             if ctx.lease_lost.is_set():
-                lost.set()
                 self.stop()
                 return None, time.monotonic() - started
 

@@ -34,11 +34,12 @@ class Inbox(Runs, Scheduling, Delivery):
 
     def __init__(self, pool, *, max_attempts: int = 3, lease_ttl: int = 120,
                  outbox_gap: int = 3600, max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES,
-                 retry_backoff: int = 5, retry_backoff_cap: int = 300):
+                 retry_backoff: int = 5, retry_backoff_cap: int = 300, max_batch: int = 100):
         self.policy = ClaimPolicy(
             max_attempts=validate.positive_int("max_attempts", max_attempts),
             backoff_base=validate.epoch("retry_backoff", retry_backoff),
-            backoff_cap=validate.epoch("retry_backoff_cap", retry_backoff_cap))
+            backoff_cap=validate.epoch("retry_backoff_cap", retry_backoff_cap),
+            max_batch=validate.positive_int("max_batch", max_batch))
         self.lease_ttl = validate.positive_int("lease_ttl", lease_ttl)
         self.outbox_gap = validate.epoch("outbox_gap", outbox_gap)
         self.max_payload_bytes = validate.positive_int("max_payload_bytes", max_payload_bytes)
@@ -49,7 +50,7 @@ class Inbox(Runs, Scheduling, Delivery):
                 **options) -> "Inbox":
         """Open a pool to `url` (any libpq connection string or URI). `options`
         are the constructor's: max_attempts=3, lease_ttl=120, outbox_gap=3600,
-        max_payload_bytes=1 MiB, retry_backoff=5, retry_backoff_cap=300."""
+        max_payload_bytes=1 MiB, retry_backoff=5, retry_backoff_cap=300, max_batch=100."""
         validate.text("url", url)
         validate.positive_int("pool_size", pool_size)
         pool = db.open_pool(url, size=pool_size, name=application_name)
@@ -145,8 +146,8 @@ class Inbox(Runs, Scheduling, Delivery):
             return lease.acquire(conn, user, holder, self.lease_ttl, now)
 
     def claim_batch(self, user: str, holder: str, gen: int, *, now: int | None = None) -> list[Event]:
-        """Claim the work for one run, ordered by id; empty unless this holder
-        holds the lease in generation `gen`. Call once per run, after the
+        """Claim the work for one run (at most max_batch fresh events), ordered
+        by id; empty unless this holder holds the lease in generation `gen`. Call once per run, after the
         previous run's finish."""
         user, holder = validate.text("user", user), validate.text("holder", holder)
         gen = validate.positive_int("gen", gen)

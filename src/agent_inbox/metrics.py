@@ -21,6 +21,10 @@ RUNS = Counter("agent_inbox_runs_total", "Runs started (each takes a lease over)
 FINISHES = Counter("agent_inbox_finishes_total", "Fenced finishes", ["outcome"])
 RENEWALS_FAILED = Counter("agent_inbox_lease_renewals_failed_total",
                           "Lease renewals refused or failed past the TTL")
+RUNS_TIMED_OUT = Counter("agent_inbox_runs_timed_out_total",
+                         "Runs stopped past --run-timeout (released, attempt counted)")
+QUARANTINED = Counter("agent_inbox_runs_quarantined_total",
+                      "Runs sent to a quarantine process (their last attempt ended without a finish)")
 DEAD = Counter("agent_inbox_events_dead_total", "Events parked dead (out of attempts)")
 RUN_SECONDS = Histogram("agent_inbox_run_seconds", "Handler run time",
                         buckets=(0.01, 0.05, 0.1, 0.5, 1, 2, 5, 10, 30, 60, 120, 300, 900))

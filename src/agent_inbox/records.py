@@ -69,13 +69,15 @@ class ClaimPolicy:
 
     A claimed event's retry becomes claimable `min(cap, base * 2**(attempts-1))`
     seconds after its claim, scaled by a random factor in [0.5, 1] (jitter), so
-    retries of many events do not arrive in lockstep.
+    retries of many events do not arrive in lockstep. A run claims at most
+    `max_batch` fresh events, the oldest; the rest are the next run's.
     """
 
     max_attempts: int = 3
     backoff_base: int = 5
     backoff_cap: int = 300
+    max_batch: int = 100
 
     def params(self) -> dict[str, int]:
         return {"max_attempts": self.max_attempts, "backoff_base": self.backoff_base,
-                "backoff_cap": self.backoff_cap}
+                "backoff_cap": self.backoff_cap, "max_batch": self.max_batch}

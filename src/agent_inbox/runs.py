@@ -1,13 +1,12 @@
-"""The run-level calls of the worker runtime: take work, renew, release, and the
-fenced finish of everything a run produced.
+"""The run-level calls of the worker runtime: take work, renew, release, give
+back, and the fenced finish of everything a run produced.
 
 Invariant 3: a run's outcome, messages, timers and approval requests commit in
 one transaction that locks the user's lease row first and whose finish
 statement checks holder, generation, expiry and the events' claim, or nothing of
-that run commits. A worker pays one commit per take: the finish of the runs it
-took and its next take share a transaction, sent as one pipeline when no result
-has timers or approvals. A take may hold several users (each its own run, lease
-and fence), so quick handlers share commits; see worker.py for when it does.
+that run commits. Several runs may share that transaction (the worker's
+completer commits every run that ended since its last commit), each behind its
+own fence: a refused run writes nothing, the others commit.
 """
 
 from dataclasses import dataclass
@@ -28,6 +27,11 @@ class Run:
     claimed_at: int
     events: list[Event]
     died: int = 0  # events this claim parked as dead (out of attempts)
+    unfinished: int = 0  # events claimed again after a run that ended without a finish
+
+    @property
+    def key(self) -> tuple[str, int]:
+        return self.user, self.gen
 
 
 @dataclass(frozen=True)
@@ -66,23 +70,45 @@ class Runs:
             return self._as_runs(holder, inbox.take_work(conn, holder, self.lease_ttl,
                                                          self.policy, now, users))
 
-    def renew(self, user: str, holder: str, gen: int, *, now: int | None = None) -> int | None:
-        """Extend a held lease by lease_ttl; its new expiry, or None if it was lost."""
-        user, holder = validate.text("user", user), validate.text("holder", holder)
-        gen = validate.positive_int("gen", gen)
+    def renew_runs(self, runs: list[Run], *, now: int | None = None) -> set:
+        """Extend by lease_ttl, in one statement, every lease of `runs` (one
+        holder's) still held; the (user, gen) keys extended (the others are lost)."""
+        holder = _holder_of(runs)
         now = validate.optional_epoch("now", now)
-        with db.transaction(self._pool) as conn:
-            lease.lock(conn, user)
-            return lease.renew(conn, user, holder, gen, self.lease_ttl, now)
+        with db.connection(self._pool) as conn:
+            return lease.renew(conn, holder, [run.key for run in runs], self.lease_ttl, now)
 
     def release(self, user: str, holder: str, gen: int, *, now: int | None = None) -> bool:
         """Expire a held lease at once (gen kept, so it still fences this holder)."""
         user, holder = validate.text("user", user), validate.text("holder", holder)
         gen = validate.positive_int("gen", gen)
         now = validate.optional_epoch("now", now)
-        with db.transaction(self._pool) as conn:
-            lease.lock(conn, user)
-            return lease.release(conn, user, holder, gen, now)
+        with db.connection(self._pool) as conn:
+            return bool(lease.release(conn, holder, [(user, gen)], now))
+
+    def release_runs(self, runs: list[Run], *, error: str | None = None,
+                     at_once: bool = True, now: int | None = None) -> list[str]:
+        """Abandon runs (one holder's) whose handlers may have acted: their
+        leases expired at once, their events left claimable (now, or after their
+        backoff unless `at_once`) with the attempt counted and `error` recorded;
+        the next claim sees them unfinished. The users released (leases still held)."""
+        holder = _holder_of(runs)
+        now = validate.optional_epoch("now", now)
+        if error is not None:
+            error = validate.text("error", error)
+        with db.connection(self._pool) as conn:
+            return lease.release(conn, holder, [run.key for run in runs], now, error=error,
+                                 at_once=at_once)
+
+    def release_holder(self, holder: str, *, error: str, now: int | None = None) -> list[str]:
+        """Release every lease `holder` still holds (its worker process died), as
+        `release_runs` does; the users released."""
+        holder = validate.text("holder", holder)
+        error = validate.text("error", error)
+        now = validate.optional_epoch("now", now)
+        with db.connection(self._pool) as conn:
+            return lease.release(conn, holder, lease.held_by(conn, holder, now), now, error=error,
+                                 at_once=False)
 
     def outcome(self, run: Run, result: Result) -> Outcome:
         """Check a handler's result for committing; InvalidInput names what is wrong."""
@@ -100,45 +126,30 @@ class Runs:
         """Commit everything a run produced (its events' outcome, messages, timers,
         approval requests) in one fenced transaction, and by default release the
         lease in the same commit. False, with nothing written, if the fence refuses."""
-        [accepted], _ = self.finish_runs([self.outcome(run, result)], release=release, now=now)
+        [accepted] = self.finish_runs([self.outcome(run, result)], release=release, now=now)
         return accepted
 
-    def finish_runs(self, outcomes: list[Outcome], *, hand_back: list[Run] = (),
-                    release: bool = True, take_as: str | None = None, take_users: int = 1,
-                    now: int | None = None) -> tuple[list[bool], list[Run]]:
+    def finish_runs(self, outcomes: list[Outcome], *, release: bool = True,
+                    now: int | None = None) -> list[bool]:
         """Commit several runs in one transaction, each behind its own fence (a
-        refused run writes nothing; the others commit); give back the runs in
-        `hand_back`, whose handlers never started (their claims undone, attempts
-        included); then, with `take_as`, take that holder's next runs (up to
-        `take_users` users) in the same transaction. The accepted flags in the
-        order given, and the runs taken."""
+        refused run writes nothing; the others commit), by default releasing
+        their leases in the same commit. The accepted flags, in the order given."""
         now = validate.optional_epoch("now", now)
-        if take_as is not None:
-            take_as = validate.text("take_as", take_as)
-            take_users = validate.positive_int("take_users", take_users)
-        users = sorted([o.run.user for o in outcomes] + [run.user for run in hand_back])
+        if not outcomes:
+            return []
+        users = sorted(o.run.user for o in outcomes)
         with db.connection(self._pool) as conn:
             if any(o.writes_timers for o in outcomes):
                 # Timers and approvals are written only once their fence has said yes.
                 with conn.transaction():
                     conn.execute(lease.LOCK_MANY, {"users": users})
-                    accepted = [self._finish_with_timers(conn, o, release, now) for o in outcomes]
-                    self._send_hand_back(conn, hand_back, now)
-                    taken = (inbox.take_work(conn, take_as, self.lease_ttl, self.policy, now,
-                                             take_users) if take_as else [])
-            else:
-                # Locks, fenced finishes, next claims and commit, sent as one pipeline.
-                with db.pipelined_transaction(conn):
-                    if users:
-                        conn.execute(lease.LOCK_MANY, {"users": users})
-                    verdicts = [inbox.send_finish(conn, *self._finish_args(o, now), release=release)
-                                for o in outcomes]
-                    self._send_hand_back(conn, hand_back, now)
-                    pending = (inbox.send_take_work(conn, take_as, self.lease_ttl, self.policy,
-                                                    now, take_users) if take_as else None)
-                accepted = [verdict.fetchone()[0] for verdict in verdicts]
-                taken = inbox.read_taken(pending) if pending else []
-        return accepted, self._as_runs(take_as, taken)
+                    return [self._finish_with_timers(conn, o, release, now) for o in outcomes]
+            # Locks, fenced finishes and commit, sent as one pipeline: one round trip.
+            with db.pipelined_transaction(conn):
+                conn.execute(lease.LOCK_MANY, {"users": users})
+                verdicts = [inbox.send_finish(conn, *self._finish_args(o, now), release=release)
+                            for o in outcomes]
+            return [verdict.fetchone()[0] for verdict in verdicts]
 
     def hand_back(self, runs: list[Run], *, now: int | None = None) -> list[str]:
         """Give back runs whose handlers never started: leases expired at once,
@@ -169,7 +180,7 @@ class Runs:
             mine = [run for run in runs if run.holder == holder]
             answers.append(conn.execute(lease.HAND_BACK, {
                 "holder": holder, "users": [r.user for r in mine], "gens": [r.gen for r in mine],
-                "now": now}))
+                "unfinished": [r.unfinished > 0 for r in mine], "now": now}))
         return answers
 
     @staticmethod
@@ -188,9 +199,9 @@ class Runs:
         return accepted
 
     @staticmethod
-    def _as_runs(holder: str | None, taken: list[tuple]) -> list[Run]:
-        return [Run(user, holder, gen, claimed_at, events, died)
-                for user, gen, claimed_at, died, events in taken]
+    def _as_runs(holder: str, taken: list[tuple]) -> list[Run]:
+        return [Run(user, holder, gen, claimed_at, events, died, unfinished)
+                for user, gen, claimed_at, died, unfinished, events in taken]
 
     def _message(self, message) -> tuple[str, bool]:
         if isinstance(message, Message):
@@ -209,3 +220,10 @@ class Runs:
             raise errors.InvalidInput("approvals item", approval,
                                       "must be an agent_inbox.ApprovalRequest")
         return self._checked_approval(approval.request_id, approval.expires_in, approval.action)
+
+
+def _holder_of(runs: list[Run]) -> str:
+    holders = {run.holder for run in runs}
+    if len(holders) > 1:
+        raise errors.InvalidInput("runs", sorted(holders), "must all be one holder's")
+    return holders.pop() if holders else "-"

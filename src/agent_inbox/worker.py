@@ -1,412 +1,536 @@
-"""The worker service: slots that find users with work, run their handlers, finish.
+"""The worker runtime: many runs at once in one process, on a fixed few connections.
 
-Each slot has its own holder id, unique across hosts and restarts
-(host:pid:slot:random). A slot takes work in one statement (the users whose
-oldest claimable event waited longest, leases taken over, batches claimed), runs
-the handlers while a renewer thread extends the leases, and commits everything
-in one transaction of fenced finishes (one fence per run) that also releases
-the leases and takes the slot's next work. Invariants kept here:
+Four parts, each on a thread of its own, share one table of in-flight runs
+(`InFlight`, one object per run, from its take to its commit):
 
-- a run whose lease was lost commits nothing: `ctx.lease_lost` is set, the
-  worker skips its finish (the fence would refuse it anyway) and moves on;
-- each slot runs its handlers in a process of its own (see handler.py), so a
-  poison event cannot take other users' runs in this worker down with it;
-- a slot takes several users at once only while its handlers are quick: the
-  next take holds as many users as its last runs' mean time fits into
-  TAKE_BUDGET (at least 1, at most --max-users-per-take), so a user taken
-  behind others waits for them about that long at most, and slow handlers
-  (an LLM call) are taken one user at a time;
-- on SIGTERM/SIGINT the slots stop taking work, running handlers get a grace
-  period, then their leases are released so another worker takes over at once.
+- the **producer** takes as many users as the worker has free capacity
+  (`concurrency` minus the runs in flight) in one statement (leases taken over,
+  batches claimed), and starts their handlers;
+- the **executors** (executors.py) run them: `async def` handlers as tasks on
+  one event loop, plain ones on threads, and a run whose last attempt ended
+  without a finish in a quarantine process of its own;
+- the **completer** commits every run that ended since its last commit in one
+  transaction, each behind its own fence (a refused run writes nothing, the
+  others commit); runs abandoned (timed out, crashed in quarantine, stopped at
+  shutdown) are released, runs never started are given back;
+- the **keeper** extends every lease in flight in one statement per TTL/4, and
+  stops runs whose lease was lost or that ran past `run_timeout`.
+
+Invariants kept here:
+
+- at most `concurrency` runs (and so leases) are held at once, and the worker's
+  pool never holds more than POOL_SIZE connections, whatever `concurrency` is;
+- a run whose lease is lost, or that is stopped, commits nothing: its
+  `ctx.lease_lost` is set, an async handler is cancelled, a quarantine process
+  is killed, and whatever it returns is ignored;
+- only a run whose handler never started is given back (claim undone); every
+  other unfinished run is released with its attempt counted, and the claim that
+  retries it runs it in quarantine.
 """
 
 import logging
 import os
+import queue
 import secrets
 import socket
 import threading
 import time
 from dataclasses import dataclass
+from typing import Callable
 
-from agent_inbox import errors, handler, metrics, validate
-from agent_inbox.handler import Context
+from agent_inbox import errors, executors, handler, metrics, validate
+from agent_inbox.handler import Context, Crashed
 from agent_inbox.inbox import Inbox
-from agent_inbox.runs import Outcome, Run
 from agent_inbox.result import Result
+from agent_inbox.runs import Outcome, Run
 from agent_inbox.service import Listener, Stop, Waker, backoff_delays, jittered
 from agent_inbox.store import notify
 
 log = logging.getLogger("agent_inbox.worker")
 
-
-def holder_id(slot: int) -> str:
-    return f"{socket.gethostname()}:{os.getpid()}:{slot}:{secrets.token_hex(3)}"
-
-
-# Seconds of handler time a take may queue up in one slot (see the invariants).
-TAKE_BUDGET = 0.05
+# Connections of a worker's pool: the producer, the completer and the keeper use
+# one each at a time. LISTEN takes one more of its own.
+POOL_SIZE = 3
+# How often the keeper looks for runs past their deadline, at most.
+WATCH_INTERVAL = 1.0
 
 
-@dataclass
-class ActiveRun:
+def holder_id() -> str:
+    return f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(4)}"
+
+
+@dataclass(eq=False)
+class InFlight:
+    """One run from its take to its commit: all the worker keeps of it.
+
+    state: taken (not started) -> running -> ended (a result to commit), or
+    -> stopped (lost, timed out, crashed, shut down: to release or give back).
+    It leaves the table once the completer has written its ending."""
+
     run: Run
     ctx: Context
-    wake: threading.Event
-    lease_started: float  # host monotonic time just before the lease was last extended
-    started: bool = False  # its handler was called: it can no longer be given back
-    finishing: bool = False  # the fenced finish has begun: it decides, not renewal
-    settled: bool = False  # finished, given back, released or lost: nothing left to do
+    lease_renewed: float  # host monotonic time just before its lease was last extended
+    state: str = "taken"
+    deadline: float = float("inf")  # monotonic time past which it is stopped
+    cancel: Callable[[], None] | None = None  # stops its handler, where that can be done
+
+    @property
+    def label(self) -> str:
+        run = self.run
+        return f"user={run.user} holder={run.holder} gen={run.gen}"
+
+
+@dataclass(frozen=True)
+class Ending:
+    """What the completer writes for a run: `finish` (its result), `release`
+    (abandoned after it started: attempt counted, `error` recorded), `give_back`
+    (never started: claim undone), or `lost` (nothing: the lease is gone)."""
+
+    flight: InFlight
+    kind: str
+    result: Result | None = None
+    error: str | None = None
+    at_once: bool = False
 
 
 class Worker:
     def __init__(self, inbox: Inbox, handler_reference: str, *, concurrency: int = 1,
-                 poll_interval: float = 1.0, grace: float = 30.0, isolation: str = "process",
-                 max_users_per_take: int = 32, stop: Stop | None = None):
+                 poll_interval: float = 1.0, grace: float = 30.0, run_timeout: float = 900.0,
+                 quarantine: int = 2, holder: str | None = None, stop: Stop | None = None):
         self.inbox = inbox
         self.reference = handler_reference
         self.handler = handler.load(handler_reference)
-        self.holders = [holder_id(slot) for slot in range(concurrency)]
+        self.concurrency = validate.positive_int("concurrency", concurrency)
+        self.run_timeout = _positive_seconds("run_timeout", run_timeout)
         self.poll_interval = poll_interval
         self.grace = grace
-        if isolation not in ("process", "thread"):
-            raise errors.InvalidInput("isolation", isolation, "must be 'process' or 'thread'")
-        self.max_users_per_take = validate.positive_int("max_users_per_take", max_users_per_take)
-        self.processes = ([handler.HandlerProcess(handler_reference, f"agent-inbox-slot-{n}")
-                           for n in range(concurrency)] if isolation == "process" else None)
+        self.holder = holder or holder_id()
         self.stop = stop or Stop()
-        self.waker = Waker(concurrency)
-        self._take_size = [1] * concurrency  # users per take, per slot (see TAKE_BUDGET)
-        self._active: dict[tuple[str, str], ActiveRun] = {}  # (holder, user) -> run
-        self._carried: dict[int, tuple[list[Run], float]] = {}  # slot -> (next runs, lease start)
-        # Slots whose last take or finish lost its connection: a take may have
-        # committed unseen, so its runs are given back before the next take.
-        self._unsure: set[int] = set()
-        # Started runs whose release failed (slot -> (run, when)): never given
-        # back as orphans (their handlers may have acted); their leases expire.
-        self._stranded: dict[int, list[tuple[Run, float]]] = {}
-        self._lock = threading.Lock()
+        self.waker = Waker(1)
+        self._flights: dict[tuple[str, int], InFlight] = {}
+        self._guard = threading.Condition()  # the table and every flight's state
+        self._endings: queue.SimpleQueue[Ending] = queue.SimpleQueue()
+        self._unsure = False  # a take lost its answer: it may have taken runs unseen
+        self.loop = executors.EventLoop()
+        self._executor = (None if handler.is_async(self.handler) else executors.Threads(self.loop))
+        self.quarantine = executors.Quarantine(handler_reference,
+                                               validate.positive_int("quarantine", quarantine))
 
-    # --- one take ---------------------------------------------------------------
+    # --- the producer ------------------------------------------------------------------
 
-    def run_once(self, slot: int = 0, *, now: int | None = None) -> dict[str, int]:
-        """Run the users' work this slot holds, one run per user, and finish it.
-        The work is what the slot's previous finish took (one commit per take),
-        else a fresh take. Whatever this does not settle (an error midway) is
-        released, or given back if its handler never started. Counts: runs (handlers
-        called, or runs of dead events only), events, accepted (finishes accepted)."""
-        carried = self._carried.pop(slot, None)
-        if carried is None:
-            if slot in self._unsure:
-                self._give_back_orphans(slot, [], now)
-            started = time.monotonic()
-            try:
-                runs = self.inbox.take_runs(self.holders[slot], users=self._take_size[slot], now=now)
-            except errors.DatabaseUnavailable:
-                self._unsure.add(slot)
-                raise
-        else:
-            runs, started = carried
-        actives = [ActiveRun(run, Context(run.user, run.holder, run.gen), threading.Event(), started)
-                   for run in runs]
-        for active in actives:
-            self._taken(active.run)
-        with self._lock:
-            self._active.update(((a.run.holder, a.run.user), a) for a in actives)
+    def take(self, users: int, *, now: int | None = None) -> list[InFlight]:
+        """Take up to `users` users' runs in one statement and start them."""
+        if self._unsure:
+            self._give_back_orphans(now)
+        started = time.monotonic()
         try:
-            results = self._execute(actives, slot)
-            accepted = self._finish(actives, results, slot, now)
-        finally:
-            self._abandon([a for a in actives if not a.settled], "abandoned", now)
-            with self._lock:
-                for active in actives:
-                    self._active.pop((active.run.holder, active.run.user), None)
-        ran = [actives[n].run for n in results]
-        return {"runs": len(ran), "events": sum(len(run.events) for run in ran),
-                "accepted": sum(accepted)}
+            runs = self.inbox.take_runs(self.holder, users=users, now=now)
+        except errors.DatabaseUnavailable:
+            self._unsure = True
+            raise
+        flights = [InFlight(run, Context(run.user, run.holder, run.gen), started) for run in runs]
+        with self._guard:
+            self._flights.update((f.run.key, f) for f in flights)
+        for flight in flights:
+            self._taken(flight.run)
+            self._start(flight)
+        return flights
+
+    def _free(self) -> int:
+        with self._guard:
+            return self.concurrency - len(self._flights)
+
+    def _produce(self) -> None:
+        delays = backoff_delays()
+        while not self.stop.is_set():
+            with self._guard:
+                while len(self._flights) >= self.concurrency and not self.stop.is_set():
+                    self._guard.wait()
+            if self.stop.is_set():
+                return
+            try:
+                flights = self.take(self._free())
+                delays = backoff_delays()
+            except errors.DatabaseUnavailable as exc:
+                pause = next(delays)
+                log.warning("producer: database unavailable (%s); retrying in %.1f s", exc, pause)
+                self.stop.wait(pause)
+                continue
+            except Exception:  # a bug must not silently stop the worker taking work
+                pause = next(delays)
+                log.exception("producer: unexpected error; going on in %.1f s", pause)
+                self.stop.wait(pause)
+                continue
+            if not flights:
+                self.waker.wait(jittered(self.poll_interval))
+
+    def _give_back_orphans(self, now: int | None) -> None:
+        """Give back the leases this holder holds beyond the runs in flight: runs
+        a take committed whose answer the lost connection never brought."""
+        with self._guard:
+            known = [f.run for f in self._flights.values()]
+        orphans = self.inbox.hand_back_orphans(self.holder, known, now=now)
+        self._unsure = False
+        if orphans:
+            log.warning("gave back %d runs taken by a statement whose answer was lost: users %s",
+                        len(orphans), ", ".join(orphans))
 
     @staticmethod
     def _taken(run: Run) -> None:
-        log.info("lease taken user=%s holder=%s gen=%s events=%d",
-                 run.user, run.holder, run.gen, len(run.events))
+        log.debug("lease taken user=%s holder=%s gen=%s events=%d", run.user, run.holder, run.gen,
+                  len(run.events))
         metrics.RUNS.inc()
         metrics.CLAIMED.inc(len(run.events))
         if run.died:
             metrics.DEAD.inc(run.died)
             log.warning("events dead user=%s gen=%s count=%d", run.user, run.gen, run.died)
 
-    def _execute(self, actives: list[ActiveRun], slot: int) -> dict[int, Result | None]:
-        """Run the handlers one after another: each started run's result (None:
-        its lease was lost meanwhile), by position. A run is not started once
-        its lease is lost, the worker is stopping, or the handlers before it
-        have used up TAKE_BUDGET; the finish gives those back. The seconds the
-        handlers took size the slot's next take."""
-        results: dict[int, Result | None] = {}
-        began, seconds, called = time.monotonic(), 0.0, 0
-        for n, active in enumerate(actives):
-            if not active.run.events:  # only exhausted events were due: they are dead now
-                results[n] = Result()
-                continue
-            if (self.stop.is_set() or active.ctx.lease_lost.is_set()
-                    or (called and time.monotonic() - began > TAKE_BUDGET)):
-                continue
-            active.started = True
+    # --- the executors -------------------------------------------------------------------
+
+    def _start(self, flight: InFlight) -> None:
+        if not flight.run.events:  # only exhausted events were due: they are dead now
+            if self._begin(flight):
+                self._ended(flight, Result(), 0.0)
+        elif flight.run.unfinished:
+            log.info("run in quarantine %s: %d events whose last run ended without a finish",
+                     flight.label, flight.run.unfinished)
+            metrics.QUARANTINED.inc()
+            self.quarantine.run(flight, self._begin, self._ended)
+        elif self._executor is None:
+            self.loop.run(self.handler, flight, self._begin, self._ended)
+        else:
+            self._executor.run(self.handler, flight, self._begin, self._ended)
+
+    def _begin(self, flight: InFlight) -> bool:
+        with self._guard:
+            if flight.state != "taken":
+                return False
+            flight.state = "running"
+            flight.deadline = time.monotonic() + self.run_timeout
+            return True
+
+    def _ended(self, flight: InFlight, outcome, seconds: float) -> None:
+        with self._guard:
+            if flight.state != "running":
+                return  # stopped meanwhile: its ending is on its way
+            flight.state = "ended"
+        metrics.RUN_SECONDS.observe(seconds)
+        if isinstance(outcome, Crashed):
+            log.warning("quarantine run crashed %s: %s", flight.label, outcome.error)
+            self._endings.put(Ending(flight, "release", error=outcome.error))
+            return
+        if outcome is None:  # an async handler cancelled by something else than the worker
+            outcome = Result(error="the handler's task was cancelled")
+        self._endings.put(Ending(flight, "finish", result=outcome))
+
+    def stop_run(self, flight: InFlight, reason: str) -> bool:
+        """Stop a run not yet ended: `lost` (its lease is gone), `timed out`, or
+        `shutdown`. Its handler is told and, where possible, stopped; the
+        completer releases its lease (or gives it back if it never started)."""
+        with self._guard:
+            if flight.state not in ("taken", "running"):
+                return False
+            started, flight.state = flight.state == "running", "stopped"
+        flight.ctx.lease_lost.set()
+        if flight.cancel is not None:
+            flight.cancel()
+        if reason == "lost":
+            ending = Ending(flight, "lost")
+        elif not started:
+            ending = Ending(flight, "give_back")
+        elif reason == "timed out":
+            ending = Ending(flight, "release",
+                            error=f"the run timed out after {self.run_timeout:g} s")
+        else:
+            ending = Ending(flight, "release", at_once=True)
+        self._endings.put(ending)
+        return True
+
+    # --- the completer -------------------------------------------------------------------
+
+    def complete(self, endings: list[Ending], *, now: int | None = None) -> dict[str, int]:
+        """Write what the runs in `endings` came to, then drop them from the
+        table. Counts: runs (handlers that ran), events, accepted (finishes)."""
+        finishes = [e for e in endings if e.kind == "finish"]
+        accepted = self._finish(finishes, now)
+        for error, at_once in {(e.error, e.at_once) for e in endings if e.kind == "release"}:
+            self._release([e.flight for e in endings
+                           if e.kind == "release" and (e.error, e.at_once) == (error, at_once)],
+                          error, at_once, now)
+        self._give_back([e.flight for e in endings if e.kind == "give_back"], now)
+        for ending in endings:
+            if ending.kind == "lost":
+                log.warning("lease lost %s: nothing committed", ending.flight.label)
+                metrics.FINISHES.labels("lease_lost").inc()
+        with self._guard:
+            for ending in endings:
+                self._flights.pop(ending.flight.run.key, None)
+            self._guard.notify_all()
+        ran = [e.flight.run for e in endings if e.kind in ("finish", "release")]
+        return {"runs": len(ran), "events": sum(len(run.events) for run in ran),
+                "accepted": sum(accepted)}
+
+    def _finish(self, finishes: list[Ending], now: int | None) -> list[bool]:
+        """The fenced finishes in one transaction, retried through database
+        faults while their leases may still be valid. If the commit fails for
+        another reason (a result the database refuses), each run is committed
+        alone, a refused result as its run's error: it costs only its own run."""
+        pending = [(e.flight, self._outcome(e.flight.run, e.result)) for e in finishes]
+        accepted: dict[InFlight, bool] = {}
+        delays = backoff_delays(cap=5.0)
+        while pending:
             try:
-                result, took = self._call_handler(active, slot)
-            except Exception as exc:  # the worker's side failed (a pipe, a thread): this run's error
-                log.exception("running the handler failed user=%s gen=%s", active.run.user,
-                              active.run.gen)
-                result, took = Result(error=f"the worker could not run the handler: {exc!r}"), 0.0
-            results[n] = result
-            seconds, called = seconds + took, called + 1
-            metrics.RUN_SECONDS.observe(took)
-        if called:
-            fits = int(TAKE_BUDGET * called / max(seconds, 1e-6))
-            grown = min(fits, 2 * self._take_size[slot], self.max_users_per_take)
-            self._take_size[slot] = max(1, grown)
-        return results
-
-    def _call_handler(self, active: ActiveRun, slot: int) -> tuple[Result | None, float]:
-        if self.processes:
-            return self.processes[slot].run(active.run.events, active.ctx)
-        started = time.monotonic()
-        result = handler.run_in_thread(self.handler, active.run.events, active.ctx, active.wake)
-        return result, time.monotonic() - started
-
-    def close(self) -> None:
-        """Stop the slots' handler processes."""
-        for process in self.processes or ():
-            process.stop()
-
-    def _finish(self, actives: list[ActiveRun], results: dict[int, Result | None], slot: int,
-                now: int | None) -> list[bool]:
-        """The fenced finishes and the give-backs, in one transaction, retried
-        through database faults while the leases may still be valid. Unless
-        stopping, the same transaction takes the slot's next work. If the commit
-        fails for another reason (a run's result the database refuses), each run
-        is committed alone, a refused result as its run's error, so one bad
-        result costs only its own run, one attempt.
-        Accepted flags, by position."""
-        outcomes = [(n, self._outcome(actives[n], result))
-                    for n, result in results.items() if result is not None]
-        give_back = [n for n in range(len(actives)) if n not in results]
-        for n in [n for n, _ in outcomes] + give_back:
-            actives[n].finishing = True
-        accepted = [False] * len(actives)
-        delays, retrying = backoff_delays(cap=5.0), False
-        while True:
-            outcomes = [(n, o) for n, o in outcomes if not actives[n].ctx.lease_lost.is_set()]
-            if not outcomes and not give_back:
-                break
-            started = time.monotonic()
-            take_as = None if self.stop.is_set() else self.holders[slot]
-            try:
-                if retrying:  # the lost commit may have taken runs unseen
-                    self._give_back_orphans(slot, [a.run for a in actives], now)
-                flags, following = self.inbox.finish_runs(
-                    [o for _, o in outcomes], hand_back=[actives[n].run for n in give_back],
-                    take_as=take_as, take_users=self._take_size[slot], now=now)
+                flags = self.inbox.finish_runs([outcome for _, outcome in pending], now=now)
             except (errors.DatabaseUnavailable, errors.TransactionConflict) as exc:
-                log.warning("finish failed for %d runs of holder=%s (%s); retrying",
-                            len(outcomes) + len(give_back), self.holders[slot], exc)
-                if isinstance(exc, errors.DatabaseUnavailable):
-                    self._unsure.add(slot)
-                outcomes = [(n, o) for n, o in outcomes if self._may_hold(actives[n])]
-                give_back = [n for n in give_back if self._may_hold(actives[n])]
-                if outcomes or give_back:
+                log.warning("finish failed for %d runs (%s); retrying", len(pending), exc)
+                for flight, _ in pending:
+                    if not self._may_hold(flight):
+                        log.warning("lease lost %s: expired while the database was away",
+                                    flight.label)
+                        metrics.FINISHES.labels("lease_lost").inc()
+                pending = [(f, o) for f, o in pending if self._may_hold(f)]
+                if pending:
                     time.sleep(next(delays))
-                retrying = True
                 continue
             except Exception:
                 log.exception("the finish of %d runs failed; committing them one at a time",
-                              len(outcomes) + len(give_back))
-                for n, outcome in outcomes:
-                    accepted[n] = self._finish_alone(actives[n], outcome, now)
-                if give_back:
-                    self.inbox.hand_back([actives[n].run for n in give_back], now=now)
-                    for n in give_back:
-                        actives[n].settled = True
+                              len(pending))
+                for flight, outcome in pending:
+                    accepted[flight] = self._finish_alone(flight, outcome, now)
                 break
-            if following:
-                self._carried[slot] = (following, started)
-            for n in give_back:
-                actives[n].settled = True
-            for (n, outcome), flag in zip(outcomes, flags):
-                accepted[n], actives[n].settled = flag, True
+            for (flight, outcome), flag in zip(pending, flags):
+                accepted[flight] = flag
                 self._finished(outcome, flag)
             break
-        for n, active in enumerate(actives):
-            if n in results and not active.settled and active.ctx.lease_lost.is_set():
-                run = active.run
-                log.warning("lease lost user=%s holder=%s gen=%s: nothing committed",
-                            run.user, run.holder, run.gen)
-                metrics.FINISHES.labels("lease_lost").inc()
-                active.settled = True
-        return accepted
+        return [accepted.get(e.flight, False) for e in finishes]
 
-    def _finish_alone(self, active: ActiveRun, outcome: Outcome, now: int | None) -> bool:
-        """One run's finish in a transaction of its own; if the database refuses
-        its result, the run is finished with that error instead (a retry later)."""
-        run = active.run
+    def _finish_alone(self, flight: InFlight, outcome: Outcome, now: int | None) -> bool:
+        run = flight.run
         try:
-            [accepted], _ = self.inbox.finish_runs([outcome], now=now)
-        except (errors.DatabaseUnavailable, errors.TransactionConflict):
-            return False  # unsettled: released by run_once
+            [accepted] = self.inbox.finish_runs([outcome], now=now)
+        except (errors.DatabaseUnavailable, errors.TransactionConflict) as exc:
+            log.warning("finish of %s failed (%s): its lease expires", flight.label, exc)
+            return False
         except Exception as exc:
             log.exception("the result of user=%s gen=%s cannot be committed", run.user, run.gen)
             outcome = self.inbox.outcome(
                 run, Result(error=f"the run's result could not be committed: {exc!r}"[:2000]))
-            [accepted], _ = self.inbox.finish_runs([outcome], now=now)
-        active.settled = True
+            [accepted] = self.inbox.finish_runs([outcome], now=now)
         self._finished(outcome, accepted)
         return accepted
 
-    def _give_back_orphans(self, slot: int, known: list[Run], now: int | None) -> None:
-        """Give back the leases this slot's holder holds beyond `known` and the
-        runs whose release failed: runs a commit took whose answer the lost
-        connection never brought."""
-        fresh = [(run, at) for run, at in self._stranded.get(slot, ())
-                 if time.monotonic() - at <= self.inbox.lease_ttl]
-        self._stranded[slot] = fresh
-        known = list(known) + [run for run, _ in fresh]
-        orphans = self.inbox.hand_back_orphans(self.holders[slot], known, now=now)
-        self._unsure.discard(slot)
-        if orphans:
-            log.warning("gave back %d runs taken by a commit whose answer was lost: users %s",
-                        len(orphans), ", ".join(orphans))
-
-    def _may_hold(self, active: ActiveRun) -> bool:
-        """Whether the run's lease may still be valid, by this host's clock."""
-        return time.monotonic() - active.lease_started <= self.inbox.lease_ttl
-
-    def _outcome(self, active: ActiveRun, result: Result) -> Outcome:
+    def _outcome(self, run: Run, result: Result) -> Outcome:
         try:
-            return self.inbox.outcome(active.run, result)
+            return self.inbox.outcome(run, result)
         except errors.InvalidInput as exc:  # the handler's result was malformed
-            run = active.run
             log.error("handler result rejected user=%s gen=%s: %s", run.user, run.gen, exc)
             return self.inbox.outcome(run, Result(error=f"invalid handler result: {exc}"))
 
     @staticmethod
     def _finished(outcome: Outcome, accepted: bool) -> None:
         run = outcome.run
-        metrics.FINISHES.labels("accepted" if accepted else "refused").inc()
-        if accepted:
-            log.info("finished user=%s holder=%s gen=%s events=%d error=%s", run.user,
-                     run.holder, run.gen, len(run.events), outcome.error is not None)
-        else:
-            log.warning("finish refused by the fence user=%s holder=%s gen=%s",
-                        run.user, run.holder, run.gen)
-
-    def _abandon(self, actives: list[ActiveRun], reason: str, now: int | None = None) -> None:
-        """Let other workers have these runs now: a run whose handler started is
-        released (its attempt stays counted: the handler may have acted), one
-        that never started is given back. Never raises: at worst the leases
-        expire after their TTL."""
-        for active in actives:
-            active.settled = True
-            active.ctx.lease_lost.set()
-            active.wake.set()
-        unstarted = [a.run for a in actives if not a.started]
-        try:
-            given_back = set(self.inbox.hand_back(unstarted, now=now)) if unstarted else set()
-        except Exception as exc:  # the database is away, or worse: the TTL decides
-            log.warning("%s: could not give back %d runs (%s)", reason, len(unstarted), exc)
-            given_back = set()
-        for active in actives:
-            run = active.run
-            if active.started:
-                try:
-                    done = "released" if self.inbox.release(run.user, run.holder, run.gen,
-                                                             now=now) else "already lost"
-                except Exception as exc:
-                    done = f"left to expire ({exc})"
-                    slot = self.holders.index(run.holder)
-                    self._stranded.setdefault(slot, []).append((run, time.monotonic()))
-            else:
-                done = "given back" if run.user in given_back else "not given back"
-            log.warning("%s: lease %s user=%s holder=%s gen=%s", reason, done, run.user,
+        if not accepted:
+            log.warning("finish refused by the fence user=%s holder=%s gen=%s", run.user,
                         run.holder, run.gen)
+            metrics.FINISHES.labels("refused").inc()
+        else:
+            metrics.FINISHES.labels("accepted").inc()
+            if outcome.error:
+                log.info("run failed user=%s gen=%s: %s", run.user, run.gen, outcome.error)
 
-    # --- renewal ------------------------------------------------------------------
+    def _release(self, flights: list[InFlight], error: str | None, at_once: bool,
+                 now: int | None) -> None:
+        """Abandon started runs: leases expired now, attempts kept. On failure
+        the leases expire after their TTL, with the same effect."""
+        try:
+            released = set(self.inbox.release_runs([f.run for f in flights], error=error,
+                                                   at_once=at_once, now=now))
+        except Exception as exc:
+            log.warning("could not release %d runs (%s): their leases expire", len(flights), exc)
+            released = set()
+        why = error or "stopped at shutdown"
+        for flight in flights:
+            done = "released" if flight.run.user in released else "already lost"
+            log.warning("lease %s %s (%s)", done, flight.label, why)
 
-    def renew_all(self) -> None:
-        """Extend every running lease; mark the ones that are lost."""
-        with self._lock:
-            running = list(self._active.values())
-        for active in running:
-            run = active.run
-            started = time.monotonic()
+    def _give_back(self, flights: list[InFlight], now: int | None) -> None:
+        if not flights:
+            return
+        try:
+            given = set(self.inbox.hand_back([f.run for f in flights], now=now))
+        except Exception as exc:
+            log.warning("could not give back %d runs (%s): their leases expire", len(flights), exc)
+            given = set()
+        for flight in flights:
+            log.info("lease %s %s (never started)",
+                     "given back" if flight.run.user in given else "not given back", flight.label)
+
+    def _may_hold(self, flight: InFlight) -> bool:
+        """Whether the run's lease may still be valid, by this host's clock."""
+        return time.monotonic() - flight.lease_renewed <= self.inbox.lease_ttl
+
+    def _complete_forever(self, done: threading.Event) -> None:
+        """Commit endings as they come, all that came since the last commit at once."""
+        while not (done.is_set() and self._endings.empty()):
             try:
-                renewed = self.inbox.renew(run.user, run.holder, run.gen) is not None
-            except errors.DatabaseUnavailable:
-                renewed = None
-            if renewed:
-                active.lease_started = started
-            elif active.finishing:
-                continue  # the finish released the lease, or its fence will refuse
-            elif renewed is False or started - active.lease_started > self.inbox.lease_ttl:
-                log.warning("lease lost user=%s holder=%s gen=%s (renewal %s)", run.user,
-                            run.holder, run.gen, "refused" if renewed is False else "failed")
-                metrics.RENEWALS_FAILED.inc()
-                active.ctx.lease_lost.set()
-                active.wake.set()
-
-    def _renewer(self, done: threading.Event) -> None:
-        """Renews until the service is done, through the shutdown grace period."""
-        interval = max(0.2, self.inbox.lease_ttl / 4)
-        while not done.wait(interval):
-            self.renew_all()
-
-    # --- the service ----------------------------------------------------------------
-
-    def _slot(self, slot: int) -> None:
-        delays = backoff_delays()
-        while not self.stop.is_set() or slot in self._carried:  # a taken run is run
+                batch = [self._endings.get(timeout=0.2)]
+            except queue.Empty:
+                continue
+            while True:
+                try:
+                    batch.append(self._endings.get_nowait())
+                except queue.Empty:
+                    break
             try:
-                counts = self.run_once(slot)
-                delays = backoff_delays()
-            except errors.DatabaseUnavailable as exc:
-                pause = next(delays)
-                log.warning("slot %d: database unavailable (%s); retrying in %.1f s", slot, exc, pause)
-                self.stop.wait(pause)
-                continue
-            except Exception:  # a bug must not silently cost the worker a slot
-                pause = next(delays)
-                log.exception("slot %d: unexpected error; going on in %.1f s", slot, pause)
-                self.stop.wait(pause)
-                continue
-            if not counts["runs"] and slot not in self._carried:
-                self.waker.wait(jittered(self.poll_interval))
+                self.complete(batch)
+            except Exception:  # never lose the completer: the leases expire at worst
+                log.exception("completer: writing %d endings failed", len(batch))
+                with self._guard:
+                    for ending in batch:
+                        self._flights.pop(ending.flight.run.key, None)
+                    self._guard.notify_all()
 
-    def serve(self, url: str) -> None:
-        """Run every slot until SIGTERM/SIGINT, then shut down gracefully."""
-        for process in self.processes or ():
-            process.start()
+    # --- the keeper ------------------------------------------------------------------------
+
+    def renew(self) -> None:
+        """Extend every lease in flight in one statement; stop the runs whose
+        lease is lost (refused, or failing for longer than the TTL)."""
+        with self._guard:
+            flights = [f for f in self._flights.values() if f.state in ("taken", "running", "ended")]
+        if not flights:
+            return
+        asked = time.monotonic()
+        try:
+            renewed = self.inbox.renew_runs([f.run for f in flights])
+        except errors.DatabaseUnavailable as exc:
+            log.warning("lease renewal failed (%s)", exc)
+            renewed = None
+        for flight in flights:
+            if renewed is not None and flight.run.key in renewed:
+                flight.lease_renewed = asked
+            elif flight.state != "ended" and (renewed is not None or not self._may_hold(flight)):
+                if self.stop_run(flight, "lost"):
+                    log.warning("lease lost %s (renewal %s)", flight.label,
+                                "refused" if renewed is not None else "failed past the TTL")
+                    metrics.RENEWALS_FAILED.inc()
+
+    def time_out(self) -> None:
+        """Stop the runs still going past their deadline."""
+        now = time.monotonic()
+        with self._guard:
+            late = [f for f in self._flights.values() if f.state == "running" and f.deadline < now]
+        for flight in late:
+            if self.stop_run(flight, "timed out"):
+                log.warning("run timed out after %g s %s", self.run_timeout, flight.label)
+                metrics.RUNS_TIMED_OUT.inc()
+
+    def _keep(self, done: threading.Event) -> None:
+        renew_every = max(0.2, self.inbox.lease_ttl / 4)
+        watch_every = min(WATCH_INTERVAL, renew_every, self.run_timeout / 4)
+        next_renewal = time.monotonic() + renew_every
+        while not done.wait(watch_every):
+            try:
+                self.time_out()
+                if time.monotonic() >= next_renewal:
+                    next_renewal = time.monotonic() + renew_every
+                    self.renew()
+            except Exception:
+                log.exception("keeper: unexpected error; going on")
+
+    # --- in step, for tests ------------------------------------------------------------------
+
+    def run_once(self, *, now: int | None = None, timeout: float = 60.0) -> dict[str, int]:
+        """One take of up to `concurrency` users, their handlers run to their end,
+        their endings committed: what serve() does, in step (for tests and
+        simulations with an explicit `now`). Counts as `complete` returns."""
+        flights = self.take(self.concurrency, now=now)
+        endings: list[Ending] = []
+        deadline = time.monotonic() + timeout
+        while len(endings) < len(flights):
+            try:
+                endings.append(self._endings.get(timeout=max(0.0, deadline - time.monotonic())))
+            except queue.Empty:
+                for flight in flights:
+                    self.stop_run(flight, "timed out")
+        return self.complete(endings, now=now)
+
+    # --- the service ------------------------------------------------------------------------
+
+    def serve(self, url: str, *, predecessor: str | None = None,
+              predecessor_fate: str = "died") -> None:
+        """Run until SIGTERM/SIGINT, then shut down gracefully. `predecessor` is
+        the holder of the worker process this one replaces: its leases are
+        released first (it died with its runs)."""
+        if predecessor:
+            self._release_predecessor(predecessor, predecessor_fate)
         Listener(url, [notify.WORK], self.waker.wake_one, self.stop).start()
         done = threading.Event()
-        threading.Thread(target=self._renewer, args=(done,), name="agent-inbox-renewer",
-                         daemon=True).start()
-        slots = [threading.Thread(target=self._slot, args=(n,), name=f"slot-{n}", daemon=True)
-                 for n in range(len(self.holders))]
-        for thread in slots:
+        parts = [threading.Thread(target=self._complete_forever, args=(done,),
+                                  name="agent-inbox-completer", daemon=True),
+                 threading.Thread(target=self._keep, args=(done,), name="agent-inbox-keeper",
+                                  daemon=True)]
+        producer = threading.Thread(target=self._produce, name="agent-inbox-producer", daemon=True)
+        for thread in parts + [producer]:
             thread.start()
-        log.info("worker started: %d slots, holders %s", len(slots), ", ".join(self.holders))
+        log.info("worker started: holder %s, concurrency %d, %s handler", self.holder,
+                 self.concurrency, "plain" if self._executor else "async")
         self.stop.event.wait()
+        with self._guard:
+            self._guard.notify_all()
         self.waker.wake_all()
-        deadline = time.monotonic() + self.grace
-        for thread in slots:
-            thread.join(max(0.0, deadline - time.monotonic()))
+        producer.join()
+        self._shut_down()
         done.set()
-        self.release_running()
+        for thread in parts:
+            thread.join(timeout=30)
         self.close()
 
-    def release_running(self) -> None:
-        """On shutdown: runs still going are released and runs taken but not
-        started are given back, so other workers take over now."""
-        with self._lock:
-            running = list(self._active.values())
-        carried = list(self._carried.values())  # one C call: slot threads may still pop
-        running += [ActiveRun(run, Context(run.user, run.holder, run.gen), threading.Event(), started)
-                    for runs, started in carried for run in runs]
-        self._carried.clear()
-        self._abandon(running, "shutdown")
+    def _release_predecessor(self, predecessor: str, fate: str) -> None:
+        delays = backoff_delays()
+        while not self.stop.is_set():
+            try:
+                users = self.inbox.release_holder(
+                    predecessor, error=f"the worker process running it {fate}")
+                break
+            except errors.DatabaseUnavailable as exc:
+                log.warning("releasing the leases of %s failed (%s); retrying", predecessor, exc)
+                self.stop.wait(next(delays))
+        else:
+            return
+        log.warning("the worker process before this one %s: released its %d leases (%s)", fate,
+                    len(users), ", ".join(users[:20]) + (" ..." if len(users) > 20 else ""))
+
+    def _shut_down(self) -> None:
+        """Runs not started are given back now; running ones get the grace
+        period to end, then are stopped and released; then the completer drains."""
+        with self._guard:
+            waiting = [f for f in self._flights.values() if f.state == "taken"]
+        for flight in waiting:
+            self.stop_run(flight, "shutdown")
+        deadline = time.monotonic() + self.grace
+        with self._guard:
+            while (any(f.state == "running" for f in self._flights.values())
+                   and time.monotonic() < deadline):
+                self._guard.wait(min(0.1, max(0.0, deadline - time.monotonic())))
+            running = [f for f in self._flights.values() if f.state == "running"]
+        for flight in running:
+            self.stop_run(flight, "shutdown")
+        with self._guard:
+            drain_by = time.monotonic() + 30
+            while self._flights and time.monotonic() < drain_by:
+                self._guard.wait(0.1)
+
+    def in_flight(self) -> list[InFlight]:
+        with self._guard:
+            return list(self._flights.values())
+
+    def close(self) -> None:
+        """Stop the quarantine processes and the event loop."""
+        self.quarantine.close()
+        self.loop.close()
+
+
+def _positive_seconds(name: str, value) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise errors.InvalidInput(name, value, "must be a positive number of seconds")
+    return float(value)

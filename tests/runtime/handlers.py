@@ -86,3 +86,17 @@ def unreadable_result(batch, ctx):
 
 def exits(batch, ctx):
     raise SystemExit(3)
+
+
+async def async_pid_of_runner(batch, ctx):
+    return Result(messages=[str(os.getpid())])
+
+
+async def async_loop_id(batch, ctx):
+    return Result(messages=[str(id(asyncio.get_running_loop()))])
+
+
+async def async_wait_for_lease_loss(batch, ctx):
+    """Waits for the lease to be lost (and is cancelled then)."""
+    await ctx.lease_lost
+    return Result(messages=["after the lease was lost"])

@@ -21,7 +21,11 @@ def test_a_worker_run_counts_claims_finishes_and_dead_events(inbox):
     before = {m: m._value.get() for m in (metrics.CLAIMED, metrics.RUNS, metrics.DEAD)}
     accepted = metrics.FINISHES.labels("accepted")._value.get()
     inbox.ingest("u", "chat", "1", {})
-    Worker(inbox, "tests.runtime.handlers:echo", isolation="thread").run_once(now=T)
+    worker = Worker(inbox, "tests.runtime.handlers:echo")
+    try:
+        worker.run_once(now=T)
+    finally:
+        worker.close()
     assert metrics.CLAIMED._value.get() == before[metrics.CLAIMED] + 1
     assert metrics.RUNS._value.get() == before[metrics.RUNS] + 1
     assert metrics.FINISHES.labels("accepted")._value.get() == accepted + 1

@@ -71,7 +71,7 @@ def test_sigterm_after_the_grace_period_releases_the_lease_for_an_immediate_take
     worker.send_signal(signal.SIGTERM)
     output, _ = worker.communicate(timeout=60)
     assert worker.returncode == 0, output
-    assert "shutdown: lease released user=u" in output
+    assert "lease released user=u" in output and "(stopped at shutdown)" in output
     run = inbox.take_work("next-worker")           # lease_ttl is 120: no wait for expiry
     assert (run.user, run.gen, [e.attempts for e in run.events]) == ("u", 2, [2])
     [event_id] = [e.id for e in run.events]

@@ -1,6 +1,7 @@
-"""One worker run, driven by `run_once`: what the handler returns is what commits,
-all in the fenced finish; failures come back after a backoff; handlers run in
-their slot's own process, so a crash kills only that run."""
+"""The worker runtime driven in step by `run_once`: what the handler returns is
+what commits, all in the fenced finish; failures come back after a backoff;
+first attempts run in the worker (async on its loop, plain on threads), a run
+whose last attempt ended without a finish runs alone in a quarantine process."""
 
 import os
 import time
@@ -8,9 +9,10 @@ import time
 import psycopg
 import pytest
 
-import agent_inbox.worker
 from agent_inbox.errors import DatabaseUnavailable
 from agent_inbox.worker import Worker
+
+from tests.runtime.support import wait_until
 
 H = "tests.runtime.handlers"
 T = 1_000_000
@@ -19,7 +21,7 @@ TTL = 120
 
 @pytest.fixture
 def worker():
-    """Make Workers (handler processes stopped at teardown)."""
+    """Make Workers (quarantine processes and loops stopped at teardown)."""
     made = []
 
     def make(inbox, name, **options):
@@ -48,7 +50,7 @@ def test_the_lease_is_released_at_finish_and_still_fences(inbox, worker):
     w = worker(inbox, "echo")
     w.run_once(now=T)
     assert inbox.acquire("u", "someone-else", now=T) == 2   # free at once, not after the TTL
-    run_holder = w.holders[0]
+    run_holder = w.holder
     assert inbox.finish("u", run_holder, 1, [], now=T) is False
 
 
@@ -92,7 +94,7 @@ def test_a_retry_waits_for_its_backoff_while_fresh_events_go_ahead(make_inbox, w
 def test_backoff_doubles_per_attempt_up_to_the_cap(make_inbox, worker):
     inbox = make_inbox(retry_backoff=10, retry_backoff_cap=25, max_attempts=5)
     inbox.ingest("u", "chat", "broken", {})
-    w = worker(inbox, "explode", isolation="thread")
+    w = worker(inbox, "explode")
     now, delays = T, []
     for _ in range(4):
         assert w.run_once(now=now)["runs"] == 1
@@ -104,156 +106,124 @@ def test_backoff_doubles_per_attempt_up_to_the_cap(make_inbox, worker):
         assert full // 2 <= delay <= full
 
 
-def test_a_poison_event_crashes_only_its_slots_handler_process(inbox, worker):
+def left_unfinished(inbox, user, now=T):
+    """A run of `user` that took its events and died without a finish (its
+    lease lapses after the TTL): the next claim sees them unfinished."""
+    run = inbox.take_work("a-worker-that-died", now=now)
+    assert run.user == user
+    return now + TTL + 1
+
+
+def test_first_attempts_run_in_the_worker_on_threads_or_its_event_loop(inbox, worker):
+    inbox.ingest("a", "chat", "1", {})
+    inbox.ingest("b", "chat", "1", {})
+    worker(inbox, "pid_of_runner").run_once(now=T)
+    worker(inbox, "async_pid_of_runner").run_once(now=T)
+    assert [m.body for u in "ab" for m in inbox.outbox(u)] == [str(os.getpid())] * 2
+
+
+def test_an_async_handler_keeps_its_event_loop_across_runs(inbox, worker):
+    w = worker(inbox, "async_loop_id", concurrency=2)
+    for n in range(3):
+        inbox.ingest(f"u{n}", "chat", "1", {})
+    w.run_once(now=T)
+    w.run_once(now=T)
+    loops = {m.body for n in range(3) for m in inbox.outbox(f"u{n}")}
+    assert len(loops) == 1                                 # one long-lived loop, not asyncio.run
+
+
+def test_a_run_whose_last_attempt_did_not_finish_runs_alone_in_quarantine(inbox, worker):
+    inbox.ingest("u", "chat", "1", {})
+    later = left_unfinished(inbox, "u")
+    w = worker(inbox, "pid_of_runner")
+    assert w.run_once(now=later) == {"runs": 1, "events": 1, "accepted": 1}
+    [body] = [m.body for m in inbox.outbox("u")]
+    assert body != str(os.getpid()) and int(body) in w.quarantine.pids()
+    [event] = inbox.events("u")
+    assert (event.status, event.attempts) == ("done", 2)
+
+
+def test_a_poison_event_in_quarantine_kills_only_its_process_until_it_is_dead(inbox, worker):
     inbox.ingest("u", "chat", "poison", {"poison": True})
+    now = left_unfinished(inbox, "u")                      # attempt 1 took a worker down
     w = worker(inbox, "crash_process")
-    now = T
-    for attempt in (1, 2, 3):
-        counts = w.run_once(now=now)                       # the worker survives each crash
-        assert counts == {"runs": 1, "events": 1, "accepted": 1}
-        [event] = inbox.events("u")
-        assert (event.status, event.attempts) == ("pending", attempt)
-        assert "handler process died (exit code -9)" in event.error
-        now = event.available_at
-    w.run_once(now=now)
+    for attempt in (2, 3):
+        assert w.run_once(now=now) == {"runs": 1, "events": 1, "accepted": 0}
+        [event] = inbox.events("u")                       # released: still unfinished
+        assert (event.status, event.attempts) == ("running", attempt)
+        assert event.error == "handler process died (exit code -9)"
+        now = max(event.available_at, now + 1)            # the lease is free at once
+    assert w.run_once(now=now) == {"runs": 1, "events": 0, "accepted": 1}
     [event] = inbox.events("u")
     assert (event.status, event.attempts, event.error) == ("dead", 3, "too many attempts")
 
 
-def test_handlers_run_in_the_slots_process_which_is_replaced_after_a_crash(inbox, worker):
-    w = worker(inbox, "pid_of_runner", concurrency=2)
-    inbox.ingest("a", "chat", "1", {})
-    w.run_once(0, now=T)
-    inbox.ingest("a", "chat", "2", {})
-    w.run_once(0, now=T)
-    first, again = [m.body for m in inbox.outbox("a")]
-    assert first == again != str(os.getpid())             # one long-lived process per slot
-    crashed = w.processes[0]._process
-    crashed.kill()
-    crashed.join()                                        # died while idle, between runs
-    inbox.ingest("b", "chat", "1", {})
-    w.run_once(0, now=T)
-    [replaced] = [m.body for m in inbox.outbox("b")]
-    assert replaced not in (first, str(os.getpid()))
-
-
-def test_thread_isolation_runs_handlers_in_the_worker(inbox, worker):
-    inbox.ingest("a", "chat", "1", {})
-    worker(inbox, "pid_of_runner", isolation="thread").run_once(now=T)
-    assert [m.body for m in inbox.outbox("a")] == [str(os.getpid())]
-
-
-def test_take_work_prefers_the_user_waiting_longest(inbox):
-    for user in ("late", "early", "middle"):
-        inbox.ingest(user, "chat", "1", {})
-    import psycopg
-    with psycopg.connect(inbox.pool.conninfo, autocommit=True) as conn:
-        conn.execute("UPDATE events SET available_at = CASE user_id WHEN 'early' THEN 10 "
-                     "WHEN 'middle' THEN 20 ELSE 30 END")
-    order = [inbox.take_work(f"w{n}", now=T).user for n in range(3)]
-    assert order == ["early", "middle", "late"]
-    assert inbox.take_work("w4", now=T) is None
-
-
-# --- several users per take ------------------------------------------------------
-
-def test_quick_handlers_grow_the_take_to_several_users(inbox, worker):
-    users = ["first", "b1", "b2", "c1", "c2", "c3", "c4"]
-    for user in users:
-        inbox.ingest(user, "chat", "1", {})
-    w = worker(inbox, "echo", max_users_per_take=8)
-    # a slot's first take holds one user; each quick take doubles the next
-    assert [w.run_once(now=T)["runs"] for _ in range(4)] == [1, 2, 4, 0]
-    assert [m.body for u in users for m in inbox.outbox(u)] == [f"{u}:1" for u in users]
-    assert {inbox.acquire(u, "other", now=T) for u in users} == {2}    # all released
-
-
-def test_slow_handlers_are_taken_one_user_at_a_time(inbox, worker):
-    for user in ("a", "b", "c"):
-        inbox.ingest(user, "chat", "1", {})
-    w = worker(inbox, "slow", max_users_per_take=8)
-    assert [w.run_once(now=T)["runs"] for _ in range(4)] == [1, 1, 1, 0]
-
-
-def test_a_crash_in_a_shared_take_costs_only_the_run_it_was_in(inbox, worker, monkeypatch):
-    monkeypatch.setattr(agent_inbox.worker, "TAKE_BUDGET", 60.0)  # no give-back: see below
-    for user in ("first", "w1", "w2", "a", "b", "c", "d"):
-        inbox.ingest(user, "chat", "1", {"poison": user == "b"})
-    w = worker(inbox, "crash_process", max_users_per_take=8)
-    w.run_once(now=T)
-    w.run_once(now=T)                                     # grows the next take to a, b, c, d
-    assert w.run_once(now=T) == {"runs": 4, "events": 4, "accepted": 4}
-    a, b, c, d = (inbox.events(u)[0] for u in "abcd")
-    assert (a.status, c.status, d.status) == ("done", "done", "done")  # in a new process
-    assert (b.status, b.attempts) == ("pending", 1)
-    assert "handler process died (exit code -9)" in b.error
-    assert [m.body for u in "acd" for m in inbox.outbox(u)] == ["ok", "ok", "ok"]
-
-
-def test_users_behind_a_handler_that_used_up_the_budget_are_given_back_untouched(inbox, worker):
-    for user in ("first", "w1", "w2", "slow", "x", "y", "z"):
-        inbox.ingest(user, "chat", "1", {"slow": user == "slow"})
-    w = worker(inbox, "slow_when_marked", max_users_per_take=8)
-    w.run_once(now=T)
-    w.run_once(now=T)                                     # the next take: slow, x, y, z
-    assert w.run_once(now=T) == {"runs": 1, "events": 1, "accepted": 1}
-    assert [m.body for m in inbox.outbox("slow")] == ["slow"]
-    for user in "yz":                                     # as if never taken: no attempt spent
-        [event] = inbox.events(user)
-        assert (event.status, event.attempts, event.error) == ("pending", 0, None)
-        assert inbox.acquire(user, "other", now=T) == 2    # the lease free at once
-    [x] = inbox.events("x")                               # longest waiting: the next take, alone
-    assert (x.status, x.attempts, x.claim_gen) == ("running", 1, 2)
-    assert w.run_once(now=T) == {"runs": 1, "events": 1, "accepted": 1}
-
-
-def test_a_handler_process_that_dies_before_the_handler_is_tried_again_then_blamed(inbox):
+def test_a_quarantine_process_that_dies_before_the_handler_is_tried_again_then_blamed(inbox):
     inbox.ingest("u", "chat", "1", {})
+    later = left_unfinished(inbox, "u")
     w = Worker(inbox, "tests.runtime.dies_in_handler_process:handle")
     try:
-        assert w.run_once(now=T) == {"runs": 1, "events": 1, "accepted": 1}
+        assert w.run_once(now=later) == {"runs": 1, "events": 1, "accepted": 1}
     finally:
         w.close()
     [event] = inbox.events("u")
-    assert (event.status, event.attempts) == ("pending", 1)
+    assert (event.status, event.attempts) == ("pending", 2)
     assert event.error == "handler process died before the run started, 3 times"
 
 
-def test_a_commit_whose_answer_was_lost_gives_back_the_runs_it_took(inbox, worker, monkeypatch):
+def test_a_result_the_worker_cannot_read_from_quarantine_is_the_runs_error(inbox, worker):
+    inbox.ingest("u", "chat", "1", {})
+    later = left_unfinished(inbox, "u")
+    w = worker(inbox, "unreadable_result")
+    assert w.run_once(now=later)["accepted"] == 1
+    [event] = inbox.events("u")
+    assert (event.status, event.attempts) == ("pending", 2)
+    assert "the handler's result could not be read" in event.error
+    assert w.quarantine.pids()                            # the process goes on
+
+
+def test_a_take_holds_as_many_users_as_the_worker_has_room_for(inbox, worker):
+    for n in range(5):
+        inbox.ingest(f"u{n}", "chat", "1", {})
+    w = worker(inbox, "echo", concurrency=3)
+    assert [w.run_once(now=T)["runs"] for _ in range(3)] == [3, 2, 0]
+    assert {inbox.acquire(f"u{n}", "other", now=T) for n in range(5)} == {2}   # all released
+
+
+def test_a_run_claims_at_most_max_batch_events_the_oldest_first(make_inbox, worker):
+    inbox = make_inbox(max_batch=100)
+    inbox.ingest_many([("u", "chat", str(n), {}) for n in range(250)])
+    w = worker(inbox, "echo")
+    assert [w.run_once(now=T)["events"] for _ in range(4)] == [100, 100, 50, 0]
+    bodies = [m.body for m in inbox.outbox("u")]
+    assert [b.split(":")[1].split(",")[0] for b in bodies] == ["0", "100", "200"]
+
+
+def test_a_take_whose_answer_was_lost_gives_back_the_runs_it_took(inbox, worker, monkeypatch):
     inbox.ingest("a", "chat", "1", {})
     w = worker(inbox, "echo")
-    [run] = inbox.take_runs(w.holders[0], users=1, now=T)
-    w._carried[0] = ([run], time.monotonic())
-    inbox.ingest("b", "chat", "1", {})
-    real_finish, lost = inbox.finish_runs, []
+    real_take, lost = inbox.take_runs, []
 
     def answer_lost_once(*args, **kwargs):
-        answer = real_finish(*args, **kwargs)          # committed: a done, b taken
+        answer = real_take(*args, **kwargs)               # committed: a taken
         if not lost:
             lost.append(answer)
             raise DatabaseUnavailable("server closed the connection unexpectedly")
         return answer
 
-    monkeypatch.setattr(inbox, "finish_runs", answer_lost_once)
-    counts = w.run_once(now=T)
-    assert [r.user for r in lost[0][1]] == ["b"]           # the take the worker never saw
-    assert counts == {"runs": 1, "events": 1, "accepted": 0}  # the retry is refused: already in
-    assert [(e.status, m.body) for e in inbox.events("a") for m in inbox.outbox("a")] == [
-        ("done", "a:1")]
-    [b] = inbox.events("b")                                 # given back (gen 1), its claim
-    assert (b.status, b.attempts, b.claim_gen) == ("running", 1, 2)  # undone, taken again once
-    assert [(r.user, r.gen) for r in w._carried[0][0]] == [("b", 2)]
+    monkeypatch.setattr(inbox, "take_runs", answer_lost_once)
+    with pytest.raises(DatabaseUnavailable):
+        w.run_once(now=T)
+    assert [(r.user, r.gen) for r in lost[0]] == [("a", 1)]
     assert w.run_once(now=T) == {"runs": 1, "events": 1, "accepted": 1}
-    assert [(e.status, e.attempts) for e in inbox.events("b")] == [("done", 1)]
+    [a] = inbox.events("a")                               # given back untouched, taken again
+    assert (a.status, a.attempts, a.claim_gen) == ("done", 1, 2)
 
 
 def test_a_result_the_database_refuses_costs_only_its_own_run(inbox, worker, monkeypatch):
-    monkeypatch.setattr(agent_inbox.worker, "TAKE_BUDGET", 60.0)
-    for user in ("first", "w1", "w2", "a", "bad", "c", "d"):
+    for user in ("a", "bad", "c", "d"):
         inbox.ingest(user, "chat", "1", {})
-    w = worker(inbox, "echo", max_users_per_take=8)
-    w.run_once(now=T)
-    w.run_once(now=T)                                     # the next take: a, bad, c, d
+    w = worker(inbox, "echo", concurrency=4)
     real_finish = inbox.finish_runs
 
     def refuses_bad(outcomes, **options):                 # as PostgreSQL would, on a value
@@ -271,35 +241,20 @@ def test_a_result_the_database_refuses_costs_only_its_own_run(inbox, worker, mon
     assert inbox.outbox("bad") == []
 
 
-def test_a_lone_run_whose_result_the_database_refuses_is_finished_with_the_error(
-        inbox, worker, monkeypatch):
-    inbox.ingest("bad", "chat", "1", {})
-    w = worker(inbox, "echo")
-    real_finish = inbox.finish_runs
-
-    def refuses_messages(outcomes, **options):
-        if any(o.messages for o in outcomes):
-            raise psycopg.errors.NumericValueOutOfRange("integer out of range")
-        return real_finish(outcomes, **options)
-
-    monkeypatch.setattr(inbox, "finish_runs", refuses_messages)
-    assert w.run_once(now=T) == {"runs": 1, "events": 1, "accepted": 1}
-    [bad] = inbox.events("bad")
-    assert (bad.status, bad.attempts) == ("pending", 1) and "could not be committed" in bad.error
-
-
-def test_a_result_the_worker_cannot_read_is_the_runs_error(inbox, worker):
-    inbox.ingest("u", "chat", "1", {})
-    w = worker(inbox, "unreadable_result")
-    assert w.run_once(now=T)["accepted"] == 1
-    [event] = inbox.events("u")
-    assert (event.status, event.attempts) == ("pending", 1)
-    assert "the handler's result could not be read" in event.error
-    assert w.processes[0]._process.is_alive()             # the process goes on
-
-
 def test_a_handler_raising_system_exit_in_a_thread_is_the_runs_error(inbox, worker):
     inbox.ingest("u", "chat", "1", {})
-    assert worker(inbox, "exits", isolation="thread").run_once(now=T)["accepted"] == 1
+    assert worker(inbox, "exits").run_once(now=T)["accepted"] == 1
     [event] = inbox.events("u")
     assert (event.status, event.error.split(" at ")[0]) == ("pending", "SystemExit: 3")
+
+
+def test_a_stopped_async_run_is_cancelled_and_commits_nothing(inbox, worker):
+    inbox.ingest("u", "chat", "1", {})
+    w = worker(inbox, "async_wait_for_lease_loss")
+    [flight] = w.take(1, now=T)
+    wait_until(lambda: flight.state == "running", "the run to start")
+    assert w.stop_run(flight, "lost")
+    assert w.complete([w._endings.get(timeout=10)], now=T) == {"runs": 0, "events": 0,
+                                                                "accepted": 0}
+    assert inbox.outbox("u") == [] and inbox.events("u")[0].status == "running"
+    assert w.in_flight() == []

@@ -68,19 +68,24 @@ def insert_many(conn, rows: list[tuple[str, str, str, str, str | None]]) -> list
 # Invariant 4, as CTEs that follow a CTE `run(user_id, gen, now)` naming the
 # users whose leases the caller holds (locked) and the generation claiming each
 # (one row per user; each user's claim is made on its own):
-#   rows left running by an older generation count as pending again;
+#   rows left running by an older generation count as pending (and are left
+#   running until claimed, so the claim that retries them sees them unfinished);
 #   open rows with attempts >= max_attempts become dead;
 #   the oldest due retry (attempts > 0, available_at <= now) is claimed alone,
-#   else every fresh event (attempts = 0); retries still backing off wait;
+#   else the oldest max_batch fresh events (attempts = 0), the rest wait for the
+#   next run; retries still backing off wait;
 #   attempts + 1, claim_gen, claimed_at and the next retry's available_at
 #   (exponential backoff from this claim, capped, with jitter) are stamped at claim.
-# Rows whose state does not change are not written. TAKE_WORK locks the lease in
+# A claimed row that was still running (its last run ended without a finish: a
+# crash, a hang, a lost lease) is `unfinished`: the worker runs such a run in
+# quarantine. Rows whose state does not change are not written. TAKE_WORK locks the lease in
 # the same statement, after its snapshot was taken: the UPDATE re-checks each row
 # against the snapshot's (status, attempts), so a stale row is never claimed.
 CLAIM_STEPS = f"""
 open AS (
     SELECT e.user_id, e.id, e.status, e.attempts,
-           e.attempts >= %(max_attempts)s AS exhausted, e.available_at <= run.now AS due
+           e.attempts >= %(max_attempts)s AS exhausted, e.available_at <= run.now AS due,
+           row_number() OVER (PARTITION BY e.user_id ORDER BY e.attempts > 0, e.id) AS fresh_rank
       FROM events e, run
      WHERE e.user_id = run.user_id
        AND (e.status = 'pending' OR (e.status = 'running' AND e.claim_gen < run.gen))
@@ -92,7 +97,8 @@ open AS (
     SELECT o.user_id, o.id, o.status AS old_status, o.attempts AS old_attempts,
            CASE WHEN o.exhausted THEN 'dead'
                 WHEN r.id IS NOT NULL AND o.id = r.id THEN 'running'
-                WHEN r.id IS NULL AND o.attempts = 0 THEN 'running'
+                WHEN r.id IS NULL AND o.attempts = 0 AND o.fresh_rank <= %(max_batch)s
+                THEN 'running'
                 ELSE 'pending' END AS status
       FROM open o LEFT JOIN retry r ON r.user_id = o.user_id
 ), changed AS (
@@ -109,12 +115,14 @@ open AS (
            error = CASE WHEN p.status = 'dead' THEN 'too many attempts' ELSE e.error END
       FROM plan p, run
      WHERE e.user_id = run.user_id AND p.user_id = run.user_id AND e.id = p.id
-       AND (p.status <> 'pending' OR p.old_status <> 'pending')
+       -- a row left running by an older generation and not claimed now stays as
+       -- it is (the claim reads it as pending): it stays `unfinished`
+       AND p.status <> 'pending'
        -- re-checked on the newest row version: a row another run changed since
        -- this statement's snapshot (every claim and finish changes its status
        -- or attempts) is left alone, never claimed again
        AND e.status = p.old_status AND e.attempts = p.old_attempts
- RETURNING e.*
+ RETURNING e.*, p.old_status
 ), claimed AS (
     SELECT {EVENT_COLUMNS} FROM changed WHERE status = 'running'
 )"""
@@ -169,12 +177,15 @@ WITH clock AS (
  RETURNING l.user_id, l.gen, picked.waiting_since, picked.first_id
 ), run AS (
     SELECT took.user_id, took.gen, clock.now FROM took, clock
-), {CLAIM_STEPS}, deaths AS (
-    SELECT user_id, count(*) AS died FROM changed WHERE status = 'dead' GROUP BY user_id
+), {CLAIM_STEPS}, tally AS (
+    SELECT user_id, count(*) FILTER (WHERE status = 'dead') AS died,
+           count(*) FILTER (WHERE status = 'running' AND old_status = 'running') AS unfinished
+      FROM changed GROUP BY user_id
 )
-SELECT took.user_id, took.gen, clock.now, coalesce(deaths.died, 0), claimed.*
+SELECT took.user_id, took.gen, clock.now, coalesce(tally.died, 0), coalesce(tally.unfinished, 0),
+       claimed.*
   FROM took CROSS JOIN clock
-       LEFT JOIN deaths ON deaths.user_id = took.user_id
+       LEFT JOIN tally ON tally.user_id = took.user_id
        LEFT JOIN claimed ON claimed."user" = took.user_id
  ORDER BY took.waiting_since, took.first_id, claimed.id
 """
@@ -192,15 +203,16 @@ def take_work(conn, holder: str, ttl: int, policy: ClaimPolicy, now: int | None,
 
 
 def read_taken(cursor) -> list[tuple]:
-    """One (user, gen, claimed_at, died, events) per user taken, longest waiting
-    first; empty if no user with claimable work has a free lease. `died` counts
-    the events this claim parked as dead."""
+    """One (user, gen, claimed_at, died, unfinished, events) per user taken,
+    longest waiting first; empty if no user with claimable work has a free lease.
+    `died` counts the events this claim parked as dead, `unfinished` the events
+    claimed again after a run that ended without a finish."""
     taken: dict[str, tuple] = {}
     for row in cursor.fetchall():
-        user, gen, claimed_at, died = row[:4]
-        events = taken.setdefault(user, (user, gen, claimed_at, died, []))[4]
-        if row[4] is not None:
-            events.append(Event(*row[4:]))
+        user, gen, claimed_at, died, unfinished = row[:5]
+        events = taken.setdefault(user, (user, gen, claimed_at, died, unfinished, []))[5]
+        if row[5] is not None:
+            events.append(Event(*row[5:]))
     return list(taken.values())
 
 

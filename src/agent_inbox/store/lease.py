@@ -67,61 +67,96 @@ def acquire(conn, user: str, holder: str, ttl: int, now: int | None) -> int | No
     return row[0] if row else None
 
 
-# Invariant 2: extend only the lease this holder holds in this generation, unexpired.
-RENEW = f"""
-WITH clock AS (SELECT {NOW} AS now)
-UPDATE leases l SET until = clock.now + %(ttl)s
-  FROM clock
- WHERE l.user_id = %(user)s AND l.holder = %(holder)s AND l.gen = %(gen)s AND l.until >= clock.now
-RETURNING l.until
-"""
-
-
-def renew(conn, user: str, holder: str, gen: int, ttl: int, now: int | None) -> int | None:
-    """The new expiry, or None if the lease was lost (expired or taken over)."""
-    row = conn.execute(RENEW, {"user": user, "holder": holder, "gen": gen, "ttl": ttl,
-                               "now": now}).fetchone()
-    return row[0] if row else None
-
-
-# Abandon a run (shutdown): expire the lease at once, keeping its generation, and
-# make the run's events claimable now rather than after their retry backoff. The
-# next worker takes over without waiting for the TTL; the releasing holder's late
-# finish is refused. The attempt stays counted: the handler may have acted.
-RELEASE = f"""
+# The leases `holder` holds in the generations named (`users`/`gens`), unexpired,
+# locked in user order like LOCK_MANY. RENEW and RELEASE follow it.
+HELD = f"""
 WITH clock AS (
     SELECT {NOW} AS now
-), released AS (
-    UPDATE leases l SET until = clock.now - 1
-      FROM clock
-     WHERE l.user_id = %(user)s AND l.holder = %(holder)s AND l.gen = %(gen)s
+), held AS (
+    SELECT l.user_id, l.gen
+      FROM leases l, clock, unnest(%(users)s::text[], %(gens)s::bigint[]) AS k(user_id, gen)
+     WHERE l.user_id = k.user_id AND l.holder = %(holder)s AND l.gen = k.gen
        AND l.until >= clock.now
- RETURNING l.gen
-), resumable AS (
-    UPDATE events e SET available_at = clock.now
-      FROM clock, released
-     WHERE e.user_id = %(user)s AND e.status = 'running' AND e.claim_gen = released.gen
+     ORDER BY l.user_id
+       FOR UPDATE OF l
+)"""
+
+# Invariant 2: extend only leases this holder holds in these generations,
+# unexpired; one statement for every run a worker has going. The leases renewed.
+RENEW = HELD + """, renewed AS (
+    UPDATE leases l SET until = clock.now + %(ttl)s
+      FROM clock, held
+     WHERE l.user_id = held.user_id
+ RETURNING l.user_id, l.gen
 )
-SELECT gen FROM released
+SELECT user_id, gen FROM renewed
 """
 
 
-def release(conn, user: str, holder: str, gen: int, now: int | None) -> bool:
-    return conn.execute(RELEASE, {"user": user, "holder": holder, "gen": gen,
-                                  "now": now}).fetchone() is not None
+def renew(conn, holder: str, keys: list[tuple[str, int]], ttl: int, now: int | None) -> set:
+    """The (user, gen) of the leases extended; the others were lost."""
+    params = {"holder": holder, "users": [u for u, _ in keys], "gens": [g for _, g in keys],
+              "ttl": ttl, "now": now}
+    return {tuple(row) for row in conn.execute(RENEW, params).fetchall()}
 
 
-# Give back runs whose handlers never started (a take bigger than the time it
-# had, a shutdown, a failure before the handler): the lease is expired at once
-# and the claim undone, attempts included, as if the take had not happened, so
-# a run that never ran costs its events nothing and keeps its place in the queue
-# (a fresh event is due from its creation again, a retry from when it was
-# claimed). Fenced like a finish: only leases this holder still holds in those
-# generations. Both statements follow a CTE `returned(user_id, gen)` of the
-# leases given back and answer their users.
+# Abandon runs whose handlers may have acted (shutdown, a run timed out, its
+# quarantine process died, its worker process died): the lease is expired at
+# once, keeping its generation, so the next worker takes over without waiting
+# for the TTL and the releasing holder's late finish is refused. The events stay
+# `running` under the old generation: the attempt stays counted, and the claim
+# that retries them sees them unfinished (the worker runs that run in
+# quarantine). `error`, if given, is recorded on them; `at_once` makes them
+# claimable now rather than after their retry backoff.
+RELEASE = HELD + """, released AS (
+    UPDATE leases l SET until = clock.now - 1
+      FROM clock, held
+     WHERE l.user_id = held.user_id
+ RETURNING l.user_id, l.gen
+), marked AS (
+    UPDATE events e
+       SET available_at = CASE WHEN %(at_once)s THEN clock.now ELSE e.available_at END,
+           error = coalesce(%(error)s, e.error)
+      FROM clock, released r
+     WHERE e.user_id = r.user_id AND e.status = 'running' AND e.claim_gen = r.gen
+)
+SELECT user_id FROM released
+"""
+
+
+def release(conn, holder: str, keys: list[tuple[str, int]], now: int | None, *,
+            error: str | None = None, at_once: bool = True) -> list[str]:
+    """The users whose leases were released (those this holder still held)."""
+    params = {"holder": holder, "users": [u for u, _ in keys], "gens": [g for _, g in keys],
+              "now": now, "error": error, "at_once": at_once}
+    return [user for user, in conn.execute(RELEASE, params).fetchall()]
+
+
+# A holder's unexpired leases (a worker process that died: its successor
+# releases what it held). Reads leases by holder (no index): for that rare path.
+HELD_BY = f"""
+SELECT l.user_id, l.gen FROM leases l WHERE l.holder = %(holder)s AND l.until >= {NOW}
+"""
+
+
+def held_by(conn, holder: str, now: int | None) -> list[tuple[str, int]]:
+    return [tuple(row) for row in conn.execute(HELD_BY, {"holder": holder, "now": now}).fetchall()]
+
+
+# Give back runs whose handlers never started (not yet started at shutdown, or
+# taken by a statement whose answer was lost): the lease is expired at once and
+# the claim undone, attempts included, as if the take had not happened, so a run
+# that never ran costs its events nothing and keeps its place in the queue (a
+# fresh event is due from its creation again, a retry from when it was
+# claimed). A retry whose last run ended without a finish stays `running` under
+# the given-back generation, so the claim that takes it again still sees it
+# unfinished. Fenced like a finish: only leases this holder still holds in those
+# generations. Both statements follow a CTE `returned(user_id, gen, unfinished)`
+# of the leases given back and answer their users.
 UNDO_CLAIMS = """unclaimed AS (
     UPDATE events e
-       SET status = 'pending', attempts = e.attempts - 1,
+       SET status = CASE WHEN r.unfinished AND e.attempts > 1 THEN 'running' ELSE 'pending' END,
+           attempts = e.attempts - 1,
            available_at = CASE WHEN e.attempts = 1 THEN e.created_at ELSE e.claimed_at END
       FROM returned r
      WHERE e.user_id = r.user_id AND e.status = 'running' AND e.claim_gen = r.gen
@@ -132,10 +167,11 @@ WITH clock AS (
     SELECT {NOW} AS now
 ), returned AS (
     UPDATE leases l SET until = clock.now - 1
-      FROM clock, unnest(%(users)s::text[], %(gens)s::bigint[]) AS given(user_id, gen)
+      FROM clock, unnest(%(users)s::text[], %(gens)s::bigint[], %(unfinished)s::boolean[])
+                  AS given(user_id, gen, unfinished)
      WHERE l.user_id = given.user_id AND l.holder = %(holder)s AND l.gen = given.gen
        AND l.until >= clock.now
- RETURNING l.user_id, l.gen
+ RETURNING l.user_id, l.gen, given.unfinished
 ), {UNDO_CLAIMS}
 SELECT user_id FROM returned
 """
@@ -143,8 +179,9 @@ SELECT user_id FROM returned
 # A holder's unexpired leases other than the runs it knows of (`users`/`gens`):
 # after a connection was lost around a commit that also took work, the take may
 # have committed unseen; the holder gives those runs back before it goes on.
-# Locked in user order like LOCK_MANY; reads leases by holder (no index): for
-# that rare path only.
+# Whether their retries were unfinished is not known: they are taken to be (the
+# safe side: quarantine). Locked in user order like LOCK_MANY; reads leases by
+# holder (no index): for that rare path only.
 HAND_BACK_ORPHANS = f"""
 WITH clock AS (
     SELECT {NOW} AS now
@@ -159,7 +196,7 @@ WITH clock AS (
     UPDATE leases l SET until = clock.now - 1
       FROM clock, orphans o
      WHERE l.user_id = o.user_id AND l.holder = %(holder)s AND l.until >= clock.now
- RETURNING l.user_id, l.gen
+ RETURNING l.user_id, l.gen, true AS unfinished
 ), {UNDO_CLAIMS}
 SELECT user_id FROM returned
 """

@@ -1,0 +1,94 @@
+"""`agent-inbox worker` as users run it: a small process that runs the worker
+runtime in a child and starts a new one whenever that child dies.
+
+The runtime runs a run's first attempt in its own process (no process per run),
+so an event that kills its process (a poison event) takes the runtime and the
+other runs in flight down with it. The supervisor starts a new runtime at once
+(after a pause that doubles while children keep dying young) and gives it the
+dead one's holder id: the new runtime releases that holder's leases first, so
+the runs that died are retried after their backoff, each alone in a quarantine
+process (their last attempt ended without a finish), rather than after the
+lease TTL. The poison event itself is parked dead after max_attempts; the other
+runs lose one attempt each.
+
+Invariants: the supervisor holds no database connection and loads no handler;
+a runtime never outlives its supervisor (it is killed if the supervisor dies);
+each SIGTERM/SIGINT the supervisor gets is passed to the runtime once (the
+runtime runs in a process group of its own, so a terminal's Ctrl-C reaches it
+through the supervisor only): the first stops it gracefully, a second at once.
+"""
+
+import ctypes
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+# Environment the supervisor gives each runtime child.
+HOLDER_ENV = "_AGENT_INBOX_WORKER_HOLDER"
+PREDECESSOR_ENV = "_AGENT_INBOX_WORKER_PREDECESSOR"
+FATE_ENV = "_AGENT_INBOX_WORKER_PREDECESSOR_FATE"
+# A child that lived less than this died young: the next start waits, doubling.
+YOUNG = 10.0
+MAX_PAUSE = 30.0
+EXIT_CONFIGURATION = 2  # bad options or schema: starting again would not help
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: SIGKILL when the supervisor dies (Linux)."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def _fate(code: int) -> str:
+    if code < 0:
+        return f"was killed by {signal.Signals(-code).name}"
+    return f"exited with code {code}"
+
+
+def supervise(argv: list[str]) -> int:
+    """Run `agent-inbox <argv>` as the runtime child until it exits cleanly, a
+    signal stopped it, or it refused its configuration; the child's exit code."""
+    child: subprocess.Popen | None = None
+    signals: list[int] = []
+
+    def forward(signum, frame):
+        signals.append(signum)
+        if child is not None and child.poll() is None:
+            os.kill(child.pid, signum)
+
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, forward)
+    tag = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(3)}"
+    predecessor, fate, pause, incarnation = None, "", 0.5, 0
+    while True:
+        incarnation += 1
+        holder = f"{tag}:{incarnation}"
+        env = {**os.environ, HOLDER_ENV: holder}
+        if predecessor:
+            env.update({PREDECESSOR_ENV: predecessor, FATE_ENV: fate})
+        born = time.monotonic()
+        child = subprocess.Popen([sys.executable, "-m", "agent_inbox.cli", *argv], env=env,
+                                 process_group=0, preexec_fn=_die_with_parent)
+        if signals:  # a signal came while it was being started
+            os.kill(child.pid, signals[-1])
+        code = child.wait()
+        if signals or code in (0, EXIT_CONFIGURATION):
+            return code if code >= 0 else 128 - code
+        fate = _fate(code)
+        lived = time.monotonic() - born
+        pause = 0.5 if lived > YOUNG else min(MAX_PAUSE, pause * 2)
+        wait = 0.0 if lived > YOUNG else pause
+        print(f"agent-inbox worker: the runtime (pid {child.pid}) {fate} after {lived:.1f} s; "
+              f"starting another{f' in {wait:.0f} s' if wait else ''}", file=sys.stderr, flush=True)
+        deadline = time.monotonic() + wait
+        while time.monotonic() < deadline and not signals:
+            time.sleep(min(0.2, deadline - time.monotonic()))
+        if signals:
+            return 0
+        predecessor = holder
