@@ -177,7 +177,7 @@ class Worker:
 
     @staticmethod
     def _taken(run: Run) -> None:
-        log.debug("lease taken user=%s holder=%s gen=%s events=%d", run.user, run.holder, run.gen,
+        log.info("lease taken user=%s holder=%s gen=%s events=%d", run.user, run.holder, run.gen,
                   len(run.events))
         metrics.RUNS.inc()
         metrics.CLAIMED.inc(len(run.events))
@@ -329,14 +329,13 @@ class Worker:
     @staticmethod
     def _finished(outcome: Outcome, accepted: bool) -> None:
         run = outcome.run
-        if not accepted:
-            log.warning("finish refused by the fence user=%s holder=%s gen=%s", run.user,
-                        run.holder, run.gen)
-            metrics.FINISHES.labels("refused").inc()
+        metrics.FINISHES.labels("accepted" if accepted else "refused").inc()
+        if accepted:
+            log.info("finished user=%s holder=%s gen=%s events=%d error=%s", run.user,
+                     run.holder, run.gen, len(run.events), outcome.error is not None)
         else:
-            metrics.FINISHES.labels("accepted").inc()
-            if outcome.error:
-                log.info("run failed user=%s gen=%s: %s", run.user, run.gen, outcome.error)
+            log.warning("finish refused by the fence user=%s holder=%s gen=%s",
+                        run.user, run.holder, run.gen)
 
     def _release(self, flights: list[InFlight], error: str | None, at_once: bool,
                  now: int | None) -> None:

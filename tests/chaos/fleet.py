@@ -152,16 +152,17 @@ def _session_of(pid: int) -> int | None:
     return int(stat.rsplit(")", 1)[1].split()[3])  # state ppid pgrp session ...
 
 
-def kill_sessions(session_ids: set[int]) -> int:
-    """SIGKILL, one pid at a time, every live process in the sessions we created
-    (the services and whatever they left behind); how many were signalled."""
-    killed = 0
+def signal_sessions(session_ids: set[int], signum: int = signal.SIGKILL) -> int:
+    """Send `signum`, one pid at a time, to every live process in the sessions we
+    created (a service: the worker's supervisor, its runtime and quarantine
+    processes, and whatever they left behind); how many were signalled."""
+    signalled = 0
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit() and _session_of(int(entry.name)) in session_ids:
             with contextlib.suppress(ProcessLookupError):
-                os.kill(int(entry.name), signal.SIGKILL)
-                killed += 1
-    return killed
+                os.kill(int(entry.name), signum)
+                signalled += 1
+    return signalled
 
 
 @dataclass
@@ -202,7 +203,7 @@ class Service:
         """SIGCONT (in case it is stalled), then one SIGTERM: a second one would
         make the service exit at once, skipping its graceful shutdown."""
         if self.popen is not None and self.popen.poll() is None:
-            self.send(signal.SIGCONT)
+            signal_sessions({self.popen.pid}, signal.SIGCONT)
             self.send(signal.SIGTERM)
 
     def wait_or_kill(self, grace: float) -> int | None:
@@ -251,7 +252,7 @@ class Supervisor(threading.Thread):
         record = self._exit_of.get(service.pid)
         if record is None:
             cause = "chaos kill" if service.pid in self.chaos_killed else (
-                "died (SIGKILL: poison)" if code == -signal.SIGKILL else f"exited {code}")
+                "died (SIGKILL)" if code == -signal.SIGKILL else f"exited {code}")
             record = {"service": service.name, "pid": service.pid, "code": code, "cause": cause,
                       "lived": round(time.monotonic() - service.started_at, 2),
                       "seen": time.monotonic()}
@@ -277,9 +278,6 @@ class Supervisor(threading.Thread):
             self.chaos_killed.add(service.pid)
             service.send(signal.SIGKILL)
             return service.pid
-
-    def poison_deaths(self) -> int:
-        return sum(1 for e in self.exits if e["cause"].startswith("died (SIGKILL"))
 
     def stop(self) -> None:
         self._stopping.set()

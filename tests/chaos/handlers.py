@@ -4,11 +4,11 @@
 names the run (user, gen, holder, the event ids, the claim time). Messages commit
 only with an accepted finish, so after the run the outbox *is* the list of
 accepted runs. An event whose payload says `poison` kills the process running it,
-every time: the worker slot's handler process (or, with --isolation thread, the
-worker itself).
+every time: the worker's runtime on a first attempt (its supervisor starts
+another), a quarantine process on the retries.
 
 Each call is also noted in the file named by CHAOS_RUN_LOG (whether it ran in a
-handler process or in the worker, and the batch size), for the summary.
+quarantine process or in the worker's runtime, and the batch size), for the summary.
 
 `record_send` appends each dispatched text to the file named by CHAOS_SEND_LOG,
 so the suite can check that every queued message went out at least once.
@@ -40,7 +40,7 @@ def _append(variable: str, line: str) -> None:
 
 
 def handle(batch, ctx):
-    where = "handler-process" if multiprocessing.parent_process() is not None else "worker"
+    where = "quarantine" if multiprocessing.parent_process() is not None else "worker"
     _append("CHAOS_RUN_LOG", f"{where} {len(batch)} {time.time():.2f} {ctx.user} {ctx.gen} "
                              f"{','.join(f'{e.id}:{e.attempts}' for e in batch)}\n")
     if any(is_poison(event.payload) for event in batch):

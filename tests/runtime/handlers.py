@@ -3,6 +3,7 @@
 import asyncio
 import os
 import signal
+import threading
 import time
 
 from agent_inbox import ApprovalRequest, Message, Result, TimerRequest
@@ -100,3 +101,67 @@ async def async_wait_for_lease_loss(batch, ctx):
     """Waits for the lease to be lost (and is cancelled then)."""
     await ctx.lease_lost
     return Result(messages=["after the lease was lost"])
+
+
+# --- the runtime at agent scale (test_agents.py) ------------------------------------
+
+_arrived = 0
+_together: asyncio.Event | None = None
+
+
+async def async_all_at_once(batch, ctx):
+    """Returns only once AGENT_SCALE_RUNS runs are in flight together in this
+    process (each waits up to 60 s), so every run that commits proves it."""
+    global _arrived, _together
+    if _together is None:
+        _together = asyncio.Event()
+    _arrived += 1
+    if _arrived >= int(os.environ["AGENT_SCALE_RUNS"]):
+        _together.set()
+    await asyncio.wait_for(_together.wait(), 60)
+    return Result(messages=[f"{ctx.holder} {batch[0].id}"])
+
+
+_barrier: threading.Barrier | None = None
+_barrier_guard = threading.Lock()
+
+
+def all_at_once(batch, ctx):
+    """The plain-handler twin of async_all_at_once: a barrier of AGENT_SCALE_RUNS threads."""
+    global _barrier
+    with _barrier_guard:
+        if _barrier is None:
+            _barrier = threading.Barrier(int(os.environ["AGENT_SCALE_RUNS"]), timeout=60)
+    _barrier.wait()
+    return Result(messages=[f"{ctx.holder} {batch[0].id}"])
+
+
+async def async_hang(batch, ctx):
+    await asyncio.Event().wait()
+
+
+def hang(batch, ctx):
+    threading.Event().wait()
+
+
+def _touch(path):
+    open(path, "w").close()
+
+
+async def async_hold(batch, ctx):
+    """Marks its start (payload `started`), then runs until the file named
+    `release` exists; marks `cancelled` if its task is cancelled."""
+    payload = batch[0].payload
+    _touch(payload["started"])
+    try:
+        while not os.path.exists(payload["release"]):
+            await asyncio.sleep(0.02)
+    except asyncio.CancelledError:
+        _touch(payload["started"] + f".cancelled-{ctx.lease_lost.is_set()}")
+        raise
+    return Result(messages=["released"])
+
+
+async def async_briefly(batch, ctx):
+    await asyncio.sleep(0.02)
+    return Result(messages=[f"{ctx.holder} {batch[0].id}"])

@@ -1,0 +1,61 @@
+"""Connections are a budget, not a crash: ten workers at concurrency 300 each,
+whose budgets (3 pooled + 1 LISTEN = 40) exceed what a throwaway PostgreSQL
+with max_connections=30 lets ordinary roles have (27), drain every event
+exactly once; no worker ever holds more than its 4 connections (each worker
+logs in as a role of its own, so pg_stat_activity tells them apart), the
+refused connections are ridden out with backoff, and every worker stops
+cleanly at the end."""
+
+import signal
+
+import psycopg
+
+from agent_inbox import Inbox, migrate, pgserver
+from tests.runtime.support import wait_until, worker_args
+from tests.runtime.test_agents import ConnectionSampler
+
+WORKERS, CONCURRENCY, USERS = 10, 300, 4000
+
+
+def test_workers_over_the_servers_connection_limit_all_finish_exactly_once(spawn):
+    with pgserver.TemporaryCluster(settings={"max_connections": "30"}) as cluster:
+        url = pgserver.create_database(cluster.url)
+        migrate.upgrade(url)
+        database = psycopg.conninfo.conninfo_to_dict(url)["dbname"]
+        with psycopg.connect(url, autocommit=True) as conn:
+            for n in range(WORKERS):
+                conn.execute(f"CREATE ROLE budget{n} LOGIN")
+                conn.execute(f"GRANT ALL ON ALL TABLES IN SCHEMA public TO budget{n}")
+                conn.execute(f"GRANT ALL ON ALL SEQUENCES IN SCHEMA public TO budget{n}")
+        with Inbox.connect(url, pool_size=1) as inbox:
+            inbox.ingest_many([(f"u{n:05}", "chat", "1", {}) for n in range(USERS)])
+        sampler = ConnectionSampler(url, database, group="usename", where="usename LIKE 'budget%%'")
+        sampler.start()
+        workers = [spawn(*worker_args(pgserver.conninfo.make_conninfo(url, user=f"budget{n}"),
+                                      "async_briefly", "--concurrency", str(CONCURRENCY),
+                                      "--poll-interval", "0.5", "--log-level", "warning"))
+                   for n in range(WORKERS)]
+
+        def done():
+            with psycopg.connect(url, autocommit=True) as conn:
+                return conn.execute("SELECT count(*) FROM events WHERE status = 'done'"
+                                    ).fetchone()[0] == USERS
+
+        try:
+            wait_until(done, "every event to be done", timeout=240)
+        finally:
+            sampler.stop()
+        with psycopg.connect(url, autocommit=True) as conn:
+            bodies = [body for body, in conn.execute("SELECT body FROM outbox").fetchall()]
+        event_ids = [body.split()[1] for body in bodies]
+        assert len(event_ids) == USERS and len(set(event_ids)) == USERS   # each accepted once
+        assert sampler.samples > 0
+        assert max(sampler.peak.values()) <= 4, sampler.peak
+        assert all(w.poll() is None for w in workers)                   # none gave up
+        for worker in workers:
+            worker.send_signal(signal.SIGTERM)
+        logs = [worker.communicate(timeout=60)[0] for worker in workers]
+        assert [w.returncode for w in workers] == [0] * WORKERS, logs
+        refused = sum(log.count("too many clients") + log.count("remaining connection slots")
+                      for log in logs)
+        assert refused > 0, "the workers together never hit the server's limit"
