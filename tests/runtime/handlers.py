@@ -165,3 +165,15 @@ async def async_hold(batch, ctx):
 async def async_briefly(batch, ctx):
     await asyncio.sleep(0.02)
     return Result(messages=[f"{ctx.holder} {batch[0].id}"])
+
+
+def poison_or_hold(batch, ctx):
+    """A poison event kills its process; any other marks its start (payload
+    `started`) and runs until the file named `release` exists."""
+    payload = batch[0].payload
+    if payload.get("poison"):
+        os.kill(os.getpid(), signal.SIGKILL)
+    _touch(payload["started"] + f".{batch[0].attempts}")
+    while not os.path.exists(payload["release"]):
+        time.sleep(0.02)
+    return Result(messages=[f"{os.getpid()}"])

@@ -151,3 +151,37 @@ def test_sigterm_with_many_runs_in_flight(database_url, inbox, spawn, tmp_path):
     assert output.count("(never started)") == 2 and output.count("lease given back") == 2
     assert output.count("(stopped at shutdown)") == 16
     assert scalar(database_url, "SELECT count(*) FROM leases WHERE until > extract(epoch FROM now())") == 0
+
+
+def test_a_poison_event_that_kills_the_runtime_costs_the_runs_in_flight_one_attempt(
+        database_url, inbox, spawn, tmp_path):
+    """The supervisor starts another runtime, which releases the dead one's
+    leases at once (the TTL is 600 s): the runs that died are retried after
+    their backoff, each alone in quarantine, and the poison event is dead after
+    max_attempts without taking the worker down again."""
+    def payload(user, **more):
+        return {"started": str(tmp_path / user), "release": str(tmp_path / "go"), **more}
+
+    inbox.ingest_many([(f"healthy{n}", "chat", "1", payload(f"healthy{n}")) for n in range(5)])
+    worker = spawn(*worker_args(database_url, "poison_or_hold", "--concurrency", "10",
+                                "--lease-ttl", "600", "--retry-backoff", "1"))
+    wait_until(lambda: all((tmp_path / f"healthy{n}.1").exists() for n in range(5)),
+               "five first attempts in flight")
+    inbox.ingest("poison", "chat", "1", payload("poison", poison=True))
+    wait_until(lambda: scalar(database_url, "SELECT count(*) FROM leases WHERE gen >= 2") == 6,
+               "the next runtime to take the six users over (released, not left to the TTL)")
+    (tmp_path / "go").touch()
+    wait_until(lambda: inbox.events("poison", status="dead"), "the poison event to be dead",
+               timeout=60)
+    wait_until(lambda: all(inbox.events(f"healthy{n}", status="done") for n in range(5)),
+               "the runs that died with the runtime to be done", timeout=60)
+    assert {inbox.events(f"healthy{n}")[0].attempts for n in range(5)} == {2}
+    assert [(e.attempts, e.error) for e in inbox.events("poison")] == [(3, "too many attempts")]
+    quarantined = {m.body for n in range(5) for m in inbox.outbox(f"healthy{n}")}
+    worker.send_signal(signal.SIGTERM)
+    output, _ = worker.communicate(timeout=60)
+    assert worker.returncode == 0
+    assert output.count("agent-inbox worker: the runtime") == 1       # died once, not thrice
+    assert "was killed by SIGKILL" in output and "released its 6 leases" in output
+    assert output.count("quarantine run crashed user=poison") == 2
+    assert str(worker.pid) not in quarantined
