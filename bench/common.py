@@ -8,6 +8,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
@@ -159,10 +160,21 @@ def stop_processes(procs: list[subprocess.Popen], timeout: float = 20) -> None:
             reg.remove(p)
 
 
-def ours_worker_cmd(url: str, concurrency: int, poll: float) -> list[str]:
+def ours_worker_cmd(url: str, concurrency: int, poll: float, handler: str = "bench.handlers:handle",
+                    extra_args: list[str] = ()) -> list[str]:
     return [str(VENV_BIN / "agent-inbox"), "worker", "--database-url", url,
-            "--handler", "bench.handlers:handle", "--concurrency", str(concurrency),
-            "--poll-interval", str(poll), "--log-level", "warning"]
+            "--handler", handler, "--concurrency", str(concurrency),
+            "--poll-interval", str(poll), "--log-level", "warning", *extra_args]
+
+
+def ours_worker_help(env_extra: dict[str, str] | None = None) -> str:
+    """`agent-inbox worker --help` as the bench's worker processes would see it (same
+    PYTHONPATH): which flags this agent-inbox has (e.g. `--isolation`)."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env.update(env_extra or {})
+    done = subprocess.run([str(VENV_BIN / "agent-inbox"), "worker", "--help"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=60)
+    return done.stdout + done.stderr
 
 
 def peer_worker_cmd(concurrency: int, poll: float) -> list[str]:
@@ -183,13 +195,16 @@ class Workers:
     procs: list = field(default_factory=list)
     spawned_at: float = 0.0
     env: dict = field(default_factory=dict)   # e.g. PYTHONPATH of another agent-inbox tree
+    handler: str = "bench.handlers:handle"    # agent-inbox only
+    extra_args: list = field(default_factory=list)  # appended to the worker command
 
     def start(self) -> None:
         env = {"BENCH_RECORD_DIR": self.record_dir, **self.env}
         if self.system == "ours":
-            cmd = ours_worker_cmd(self.url, self.concurrency, self.poll)
+            cmd = ours_worker_cmd(self.url, self.concurrency, self.poll, self.handler,
+                                  self.extra_args)
         else:
-            cmd = peer_worker_cmd(self.concurrency, self.poll)
+            cmd = peer_worker_cmd(self.concurrency, self.poll) + list(self.extra_args)
             env["BENCH_PEER_URL"] = self.url
         self.spawned_at = time.time()
         self.procs = [spawn(cmd, env, os.path.join(self.log_dir, f"{self.system}-worker-{n}.log"))
@@ -237,7 +252,7 @@ def wait_drained(url: str, system: str, workers: Workers | None, timeout: float,
     """Poll every `interval` s until no work is open; the wall time (time.time()) then."""
     query = open_count_query(system)
     deadline = time.monotonic() + timeout
-    with psycopg.connect(url, autocommit=True) as conn:
+    with psycopg.connect(url, autocommit=True, application_name="bench-poll") as conn:
         while True:
             if conn.execute(query).fetchone()[0] == 0:
                 return time.time()
@@ -246,6 +261,120 @@ def wait_drained(url: str, system: str, workers: Workers | None, timeout: float,
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{system}: work still open after {timeout} s")
             time.sleep(interval)
+
+
+# --- process tree and connection sampling (W5) --------------------------------------------
+
+PAGE = os.sysconf("SC_PAGE_SIZE")
+
+
+def _proc_table() -> dict[int, tuple[int, int, int]]:
+    """pid -> (ppid, rss bytes, threads) of every process, from /proc/<pid>/stat."""
+    out = {}
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat", "rb") as f:
+                raw = f.read()
+        except OSError:            # gone meanwhile
+            continue
+        # comm (field 2) may hold spaces and parentheses: split after its last ')'
+        fields = raw[raw.rindex(b")") + 2:].split()
+        # fields[0] is state (field 3): ppid is field 4, num_threads 20, rss (pages) 24
+        out[int(name)] = (int(fields[1]), int(fields[21]) * PAGE, int(fields[17]))
+    return out
+
+
+def process_tree(root: int, table: dict | None = None) -> dict[int, tuple[int, int, int]]:
+    """`root` and all its descendants (by parent pid), with their (ppid, rss, threads)."""
+    table = _proc_table() if table is None else table
+    children: dict[int, list[int]] = defaultdict(list)
+    for pid, (ppid, _, _) in table.items():
+        children[ppid].append(pid)
+    tree, todo = {}, [root]
+    while todo:
+        pid = todo.pop()
+        if pid in table and pid not in tree:
+            tree[pid] = table[pid]
+            todo.extend(children.get(pid, ()))
+    return tree
+
+
+CONNS_QUERY = """
+SELECT coalesce(application_name, ''), count(*) FROM pg_stat_activity
+ WHERE datname = %s AND backend_type = 'client backend' AND pid <> pg_backend_pid()
+   AND coalesce(application_name, '') NOT LIKE 'bench%%'
+ GROUP BY 1
+"""
+
+
+class TreeSampler(threading.Thread):
+    """Every `interval` s: the RSS summed over a worker process and all its descendants
+    (from /proc), their process and thread counts, and the worker's connections to its
+    database (pg_stat_activity rows of that database that are client backends, minus
+    the bench's own connections, which all have an application_name starting with
+    'bench'). Keeps the peaks. If the tree's RSS passes `rss_cap` bytes or its
+    connections pass `conn_cap`, kills the tree (SIGKILL) and says why in `tripped`."""
+
+    def __init__(self, root: int, url: str, *, interval: float = 0.1,
+                 rss_cap: int | None = None, conn_cap: int | None = None):
+        super().__init__(daemon=True, name="bench-sampler")
+        self.root, self.url, self.interval = root, url, interval
+        self.rss_cap, self.conn_cap = rss_cap, conn_cap
+        self.dbname = psycopg.conninfo.conninfo_to_dict(url)["dbname"]
+        self.peak_rss = self.peak_procs = self.peak_threads = self.peak_conns = 0
+        self.peak_rss_at = None
+        self.peak_conns_by_app: dict[str, int] = {}
+        self.samples = 0
+        self.tripped: str | None = None
+        self.error: str | None = None
+        self._halt = threading.Event()
+
+    def run(self) -> None:
+        try:
+            with psycopg.connect(self.url, autocommit=True, application_name="bench-sampler") as conn:
+                while not self._halt.is_set():
+                    self._sample(conn)
+                    self._halt.wait(self.interval)
+        except Exception as exc:  # noqa: BLE001 -- reported in the figures
+            self.error = repr(exc)
+
+    def _sample(self, conn) -> None:
+        tree = process_tree(self.root)
+        if not tree:
+            return
+        rss = sum(r for _, r, _ in tree.values())
+        if rss > self.peak_rss:
+            self.peak_rss, self.peak_rss_at = rss, time.time()
+        self.peak_procs = max(self.peak_procs, len(tree))
+        self.peak_threads = max(self.peak_threads, sum(t for _, _, t in tree.values()))
+        by_app = dict(conn.execute(CONNS_QUERY, (self.dbname,)).fetchall())
+        total = sum(by_app.values())
+        if total > self.peak_conns:
+            self.peak_conns, self.peak_conns_by_app = total, by_app
+        self.samples += 1
+        if self.rss_cap and rss > self.rss_cap:
+            self._trip(f"rss {rss / 2**20:.0f} MiB > cap {self.rss_cap / 2**20:.0f} MiB", tree)
+        elif self.conn_cap and total > self.conn_cap:
+            self._trip(f"{total} connections > cap {self.conn_cap}", tree)
+
+    def _trip(self, why: str, tree: dict) -> None:
+        self.tripped = why
+        for pid in [self.root, *tree]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        self._halt.set()
+
+    def stop(self) -> dict:
+        self._halt.set()
+        self.join(5)
+        return {"peak_rss_mib": self.peak_rss / 2**20, "peak_processes": self.peak_procs,
+                "peak_threads": self.peak_threads, "peak_connections": self.peak_conns,
+                "peak_connections_by_app": self.peak_conns_by_app,
+                "samples": self.samples, "sampler_error": self.error, "tripped": self.tripped}
 
 
 def src_fingerprint() -> dict:

@@ -2,6 +2,7 @@
 
     .venv/bin/python -m bench.run [--quick] [--out bench/results/latest.json]
     .venv/bin/python -m bench.run --scaling     # W1 at 1, 2, 4, 8 workers -> w1_scaling.png
+    .venv/bin/python -m bench.run --only w5,w5s [--set w5.concurrency=200] [--ours-src REV]
 
 See bench/README.md for what each workload measures and how.
 """
@@ -35,6 +36,22 @@ FULL = {
     "w3": {"events": 20000, "dup_fraction": 0.10, "users": 1000, "batch": 500, "conns": 4},
     "w4": {"scales": [1000, 100000], "busy": 100, "done_per_idle": 10, "pending": 5,
            "calls": 200, "warmup": 20},
+    # W5/W5s: ONE worker process, handlers that wait 1 s. ours_extra_args None: automatic
+    # (`--isolation thread` if this agent-inbox lists --isolation, else nothing).
+    # systems: which of "ours", "peer" run (e.g. --set 'w5.systems=["peer"]').
+    # The peer runs at each of peer_variants (concurrency, and threads of its sync-task
+    # executor: None = procrastinate's default; a timeout of its own), its best median
+    # runs/s is compared. procrastinate's default runs sync tasks on 6 threads on 2 cores
+    # (Python's default executor): that variant cannot drain W5s, 30 s shows its rate.
+    "w5": {"systems": ["ours", "peer"], "users": 10000, "concurrency": 1000, "handler": "async",
+           "sleep": 1.0, "lease_ttl": 60, "timeout": 120, "stall_s": 30, "rss_cap_mib": 4096,
+           "conn_cap": 64, "ours_extra_args": None,
+           "peer_variants": [{"concurrency": 1000}, {"concurrency": 500}, {"concurrency": 200}]},
+    "w5s": {"systems": ["ours", "peer"], "users": 2000, "concurrency": 200, "handler": "sync",
+            "sleep": 1.0, "lease_ttl": 60, "timeout": 120, "stall_s": 30, "rss_cap_mib": 4096,
+            "conn_cap": 64, "ours_extra_args": None,
+            "peer_variants": [{"concurrency": 200, "timeout": 30},
+                              {"concurrency": 200, "threads": 200}]},
 }
 
 QUICK = {
@@ -48,7 +65,21 @@ QUICK = {
     "w3": {"events": 2000, "dup_fraction": 0.10, "users": 200, "batch": 250, "conns": 4},
     "w4": {"scales": [1000, 10000], "busy": 100, "done_per_idle": 10, "pending": 5,
            "calls": 50, "warmup": 10},
+    "w5": {"systems": ["ours", "peer"], "users": 3000, "concurrency": 1000, "handler": "async",
+           "sleep": 1.0, "lease_ttl": 60, "timeout": 60, "stall_s": 20, "rss_cap_mib": 4096,
+           "conn_cap": 64, "ours_extra_args": None,
+           "peer_variants": [{"concurrency": 1000}, {"concurrency": 500}, {"concurrency": 200}]},
+    "w5s": {"systems": ["ours", "peer"], "users": 600, "concurrency": 200, "handler": "sync",
+            "sleep": 1.0, "lease_ttl": 60, "timeout": 60, "stall_s": 20, "rss_cap_mib": 4096,
+            "conn_cap": 64, "ours_extra_args": None,
+            "peer_variants": [{"concurrency": 200, "timeout": 20},
+                              {"concurrency": 200, "threads": 200}]},
 }
+
+# The agent-inbox runtime with a connection per slot (it lists `--isolation`) opens up to
+# concurrency + 2 connections: above this it is not started (max_connections is 100 on a
+# shared server). The redesigned worker uses a fixed few connections whatever concurrency.
+PER_SLOT_MAX_CONCURRENCY = 200
 
 SYSTEMS = ("ours", "peer")
 NAMES = {"ours": "agent-inbox", "peer": "procrastinate"}
@@ -94,8 +125,14 @@ class Collector:
 
 def _brief(result: dict) -> str:
     keys = ["tps", "commits_per_s", "events_per_s", "events_per_s_drain", "runs_per_s", "p50_ms",
-            "p99_ms", "max_ms", "median_ms", "server_ms"]
-    return ", ".join(f"{k}={result[k]:.2f}" for k in keys if isinstance(result.get(k), (int, float)))
+            "p99_ms", "max_ms", "median_ms", "server_ms", "drain_s", "runs_per_s_drain",
+            "ratio_to_ideal", "runs_per_s_upto_stop", "peak_rss_mib", "peak_connections",
+            "peak_runs_at_once"]
+    text = ", ".join(f"{k}={result[k]:.2f}" for k in keys if isinstance(result.get(k), (int, float))
+                     and not isinstance(result.get(k), bool))
+    if "outcome" in result:
+        text += f", outcome={result['outcome']}"
+    return text
 
 
 # --- the run ---------------------------------------------------------------------------------
@@ -123,7 +160,7 @@ def machine(server_url: str) -> dict:
 
 def run_all(cfg: dict, server_url: str, only: set | None, budget_s: float | None,
             quick: bool = False) -> tuple[Collector, dict]:
-    """Repetition-major: each repetition runs the ceiling and W1, W1b, W2, W3 once for
+    """Repetition-major: each repetition runs the ceiling and W1, W1b, W2, W3, W5, W5s once for
     each system (their order alternating between repetitions), so every figure's
     repetitions are spread over the whole run and see the same background load. W4 runs
     last, on its own databases. With a time budget, repetitions after the first are
@@ -136,7 +173,7 @@ def run_all(cfg: dict, server_url: str, only: set | None, budget_s: float | None
                    timeout=cfg["drain_timeout"])
     started = time.monotonic()
     ceiling_url = ours_url = peer_url = None
-    needs_dbs = any(wanted(w) for w in ("w1", "w1b", "w2", "w3"))
+    needs_dbs = any(wanted(w) for w in ("w1", "w1b", "w2", "w3", "w5", "w5s"))
     if needs_dbs:
         ours_url = ours_database(server_url)
         peer_url = peer_database(server_url)
@@ -147,6 +184,23 @@ def run_all(cfg: dict, server_url: str, only: set | None, budget_s: float | None
         extra["w3_distinct_keys"] = distinct
     w4_reserve = 60.0 if wanted("w4") else 0.0
     last_rep = 0.0
+    agent_args = {}
+    for name in ("w5", "w5s"):
+        if wanted(name):
+            if "ours" not in cfg[name]["systems"]:
+                continue
+            args, per_slot = wl.ours_agent_args(wl.OURS_ENV, cfg[name]["ours_extra_args"])
+            refused = (per_slot and cfg[name]["concurrency"] > PER_SLOT_MAX_CONCURRENCY)
+            agent_args[name] = None if refused else args
+            extra[f"{name}_ours_extra_args"] = args
+            extra[f"{name}_ours_connection_per_slot"] = per_slot
+            if refused:
+                msg = (f"{name} agent-inbox not run: this worker opens a connection per slot "
+                       f"(it lists --isolation), concurrency {cfg[name]['concurrency']} > "
+                       f"{PER_SLOT_MAX_CONCURRENCY}; use --set {name}.concurrency=200")
+                c.errors.append({"workload": name, "system": "ours", "error": msg,
+                                 "traceback": None})
+                log(msg)
 
     for rep in range(reps):
         if rep and budget_s and time.monotonic() - started + last_rep + w4_reserve > budget_s:
@@ -193,6 +247,31 @@ def run_all(cfg: dict, server_url: str, only: set | None, budget_s: float | None
             for conns in (1, k):
                 c.attempt(f"w3_batch_{conns}c_nodedupe", "peer", wl.w3_peer, peer_url, events,
                           distinct, mode="batch", conns=conns, batch=b, dedupe=False)
+        for name in ("w5", "w5s"):
+            if not wanted(name):
+                continue
+            w5 = {k: v for k, v in cfg[name].items()
+                  if k not in ("ours_extra_args", "peer_variants", "systems")}
+            variants = cfg[name]["peer_variants"]
+            log(f"{name}: {w5['users']} users x 1 event, handler {w5['handler']} sleep "
+                f"{w5['sleep']} s, 1 worker process; agent-inbox "
+                + (f"concurrency {w5['concurrency']} {agent_args[name]}" if agent_args.get(name)
+                   is not None else "not run")
+                + (f", procrastinate {[wl.peer_variant_name(v) for v in variants]}"
+                   if "peer" in cfg[name]["systems"] else ", procrastinate not run"))
+            for system in order:
+                if system not in cfg[name]["systems"]:
+                    continue
+                if system == "ours":
+                    if agent_args.get(name) is not None:
+                        c.attempt(name, "ours", wl.agents, "ours", ours_url, **w5,
+                                  extra_args=agent_args[name])
+                    continue
+                for v in variants:
+                    c.attempt(name, f"peer_{wl.peer_variant_name(v)}", wl.agents, "peer", peer_url,
+                              **{**w5, "concurrency": v["concurrency"],
+                                 "timeout": v.get("timeout", w5["timeout"])},
+                              threads=v.get("threads"))
         extra["reps_done"] = rep + 1
         last_rep = time.monotonic() - rep_started
         log(f"--- repetition {rep + 1} took {last_rep:.0f} s")
@@ -303,6 +382,10 @@ def build_rows(c: Collector, cfg: dict, extra: dict) -> list[dict]:
                 c.summary(ours_name, "ours", "events_per_s"), peer,
                 note="ours column repeats the deduplicated ingest_many figure")
 
+    for name in ("w5", "w5s"):
+        if name in c.runs:
+            agent_rows(c, cfg, extra, name, row)
+
     for users in cfg["w4"]["scales"]:
         name = f"w4_{users}"
         if name in c.runs:
@@ -328,10 +411,69 @@ def build_rows(c: Collector, cfg: dict, extra: dict) -> list[dict]:
     return rows
 
 
+def best_peer_variant(c: Collector, name: str) -> str | None:
+    """The peer variant (system key peer_<variant>) with the highest median runs/s over the
+    drain among those that drained at least once; if none drained, the highest median
+    runs/s until stopped."""
+    variants = [k for k in c.runs.get(name, {}) if k.startswith("peer_")]
+    drained = [(c.summary(name, k, "runs_per_s_drain")["median"], k) for k in variants]
+    drained = [d for d in drained if d[0] is not None]
+    if drained:
+        return max(drained)[1]
+    upto = [(c.summary(name, k, "runs_per_s_upto_stop")["median"], k) for k in variants]
+    upto = [u for u in upto if u[0] is not None]
+    return max(upto)[1] if upto else None
+
+
+def _outcomes(c: Collector, name: str, system: str) -> str:
+    reps = c.runs.get(name, {}).get(system, [])
+    bad = [r["outcome"].split(":")[0] for r in reps if not r.get("drained")]
+    return "" if not bad else f" [not drained {len(bad)}/{len(reps)}: {', '.join(sorted(set(bad)))}]"
+
+
+def agent_rows(c: Collector, cfg: dict, extra: dict, name: str, row) -> None:
+    """W5/W5s rows: ours beside the peer's best variant, then every peer variant."""
+    w = cfg[name]
+    best = best_peer_variant(c, name)
+    extra[f"{name}_peer_best"] = best
+    s = lambda sys_, k: c.summary(name, sys_, k) if sys_ else None  # noqa: E731
+    tag = f" (peer: best, {best[5:]})" if best else ""
+    ideal = s("ours", "ideal_runs_per_s") if "ours" in c.runs[name] else None
+    row(name, f"drain, first handler start -> all done{tag}", "s", "lower", s("ours", "drain_s"),
+        s(best, "drain_s"))
+    row(name, f"runs/s (drain){tag}", "runs/s", "higher", s("ours", "runs_per_s_drain"),
+        s(best, "runs_per_s_drain"), ideal, f"ideal {w['concurrency']}/{w['sleep']:g} s")
+    row(name, f"runs/s / ideal (concurrency / {w['sleep']:g} s){tag}", "x", "higher",
+        s("ours", "ratio_to_ideal"), s(best, "ratio_to_ideal"))
+    row(name, f"peak RSS, worker process + descendants{tag}", "MiB", "lower",
+        s("ours", "peak_rss_mib"), s(best, "peak_rss_mib"))
+    row(name, f"peak DB connections of the worker{tag}", "conns", "lower",
+        s("ours", "peak_connections"), s(best, "peak_connections"))
+    row(name, f"peak handlers running at once{tag}", "runs", "higher",
+        s("ours", "peak_runs_at_once"), s(best, "peak_runs_at_once"))
+    row(name, f"start-up, worker spawn -> first handler{tag}", "s", "lower", s("ours", "startup_s"),
+        s(best, "startup_s"))
+    for v in w["peer_variants"]:
+        key = "peer_" + wl.peer_variant_name(v)
+        if key not in c.runs[name]:
+            continue
+        label = (f"procrastinate concurrency {v['concurrency']}"
+                 + (f", {v['threads']} sync threads" if v.get("threads") else ""))
+        out = _outcomes(c, name, key)
+        row(name, f"{label}: runs/s (drain; else until stopped){out}", "runs/s", "higher", None,
+            s(key, "runs_per_s_drain") if not out else s(key, "runs_per_s_upto_stop"))
+        row(name, f"{label}: drain{out}", "s", "lower", None, s(key, "drain_s"))
+        row(name, f"{label}: peak RSS", "MiB", "lower", None, s(key, "peak_rss_mib"))
+        row(name, f"{label}: peak DB connections", "conns", "lower", None,
+            s(key, "peak_connections"))
+
+
 def fmt(s: dict | None, unit: str) -> str:
     if not s or s.get("median") is None:
         return "-"
     digits = 2 if unit in ("ms", "s", "x") else 0
+    if unit == "x" and s["median"] < 10:
+        digits = 3
     m = f"{s['median']:,.{digits}f}"
     if s.get("min") is None or s["min"] == s["max"]:
         return m
@@ -376,15 +518,21 @@ def main(argv=None) -> int:
     parser.add_argument("--server-url", default=DEFAULT_SERVER,
                         help="a maintenance database on the PostgreSQL server to use")
     parser.add_argument("--only", default=None,
-                        help="comma-separated subset: ceiling,w1,w1b,w2,w3,w4")
+                        help="comma-separated subset: ceiling,w1,w1b,w2,w3,w4,w5,w5s")
     parser.add_argument("--scaling", action="store_true",
                         help="W1 at 1, 2, 4, 8 worker processes for both systems; writes "
                              "bench/results/scaling.json and w1_scaling.png")
     parser.add_argument("--reps", type=int, default=None, help="override the repetitions")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=JSON",
+                        help="override a setting, e.g. --set w5.concurrency=200 --set "
+                             "'w5.ours_extra_args=[\"--isolation\",\"thread\"]' (repeatable)")
+    parser.add_argument("--ours-src", default=None, metavar="REV",
+                        help="run agent-inbox workers from this git revision's src/ (extracted"
+                             " with git archive into a temp dir; PYTHONPATH), as bench.ab does")
     parser.add_argument("--budget-min", type=float, default=None,
                         help="time budget in minutes: repetitions after the first are skipped"
-                             " when they would not fit (default 25 for a full run, none with"
-                             " --quick)")
+                             " when they would not fit (default 40 for a full run with W5/W5s,"
+                             " else 25; none with --quick)")
     args = parser.parse_args(argv)
     RESULTS.mkdir(parents=True, exist_ok=True)
     resources()
@@ -393,12 +541,33 @@ def main(argv=None) -> int:
         return scaling.main(args)
 
     cfg = json.loads(json.dumps(QUICK if args.quick else FULL))
-    if args.budget_min is None and not args.quick:
-        args.budget_min = 25.0
     if args.reps:
         cfg["reps"] = args.reps
+    for item in args.set:
+        key, _, value = item.partition("=")
+        *path, last = key.split(".")
+        node = cfg
+        for part in path:
+            node = node[part]
+        if last not in node:
+            parser.error(f"--set {key}: no such setting")
+        node[last] = json.loads(value)
+    if args.ours_src:
+        import subprocess
+        from bench.common import ROOT
+        tree = resources().tempdir("ours-src")
+        archive = subprocess.run(["git", "archive", args.ours_src, "src"], cwd=ROOT,
+                                 capture_output=True, check=True).stdout
+        subprocess.run(["tar", "-x", "-C", tree], input=archive, check=True)
+        wl.OURS_ENV = {"PYTHONPATH": f"{tree}/src:{ROOT}"}
+        commit = subprocess.run(["git", "rev-parse", "--short", args.ours_src], cwd=ROOT,
+                                capture_output=True, text=True, check=True).stdout.strip()
+        cfg["ours_src"] = f"{args.ours_src} ({commit})" if commit != args.ours_src else commit
     out = Path(args.out) if args.out else RESULTS / ("quick.json" if args.quick else "latest.json")
     only = set(args.only.split(",")) if args.only else None
+    if args.budget_min is None and not args.quick:
+        # W5/W5s add ~4 min per repetition
+        args.budget_min = 40.0 if only is None or only & {"w5", "w5s"} else 25.0
     started = time.monotonic()
     info = machine(args.server_url)
     log(f"{'quick' if args.quick else 'full'} run, {cfg['reps']} rep(s), nproc {info['nproc']}, "
@@ -427,6 +596,15 @@ def main(argv=None) -> int:
     print(f"agent-inbox {code['git']} src {code['sha256']}"
           f"{' (uncommitted: ' + ', '.join(code['uncommitted']) + ')' if code['uncommitted'] else ''}"
           f"{'' if info['agent_inbox_code_at_end'] == code else '; src CHANGED during the run, see extra.code_per_rep'}")
+    for name in ("w5", "w5s"):
+        if name in c.runs:
+            w = cfg[name]
+            ours = (f"agent-inbox --concurrency {w['concurrency']} --lease-ttl {w['lease_ttl']:g} "
+                    f"{' '.join(extra.get(name + '_ours_extra_args') or [])}"
+                    f"{' from ' + cfg['ours_src'] if cfg.get('ours_src') else ''}"
+                    if "ours" in w["systems"] else "agent-inbox not run")
+            print(f"{name}: {w['users']} users x 1 event, handler {w['handler']} sleep {w['sleep']:g} s, "
+                  f"ONE worker process; {ours}")
     print(f"medians of {extra.get('reps_done', cfg['reps'])} run(s) (of {cfg['reps']} planned) "
           f"[min-max]; (h)/(l): higher/lower is better; load average 1 min at start "
           f"{info['loadavg_at_start'][0]:.1f}, at end {info['loadavg_at_end'][0]:.1f}")

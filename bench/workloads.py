@@ -1,4 +1,5 @@
-"""The workloads: ceiling, W1/W1b drain, W2 latency, W3 ingest, W4 take-work at scale.
+"""The workloads: ceiling, W1/W1b drain, W2 latency, W3 ingest, W4 take-work at scale,
+W5/W5s agents (many slow handlers at once in one worker process).
 
 Every function runs ONE repetition and returns a dict of figures plus the
 correctness checks of that repetition; bench.run repeats, interleaves the two
@@ -19,9 +20,10 @@ from agent_inbox import DatabaseUnavailable, Inbox, Result, TransactionConflict,
 from agent_inbox.store import inbox as inbox_store
 
 from bench import records
-from bench.common import (Workers, check_runs, percentile, reset_ours, reset_peer, resources,
-                          scalar, sql, vacuum_analyze, wait_drained)
-from bench.peer_app import TASK_NAME, build_app
+from bench.common import (TreeSampler, Workers, check_runs, ours_worker_help, percentile,
+                          reset_ours, reset_peer, resources, scalar, sql, stop_processes,
+                          vacuum_analyze, wait_drained)
+from bench.peer_app import AGENT_SYNC_TASK, AGENT_TASK, TASK_NAME, build_app
 
 SOURCE = "bench"
 PRELOAD_CHUNK = 1000
@@ -89,11 +91,11 @@ def _preload_ours(url: str, users: int, per_user: int) -> set:
     return {r[0] for r in sql(url, "SELECT id FROM events", fetch=True)}
 
 
-def _preload_peer(url: str, users: int, per_user: int) -> set:
+def _preload_peer(url: str, users: int, per_user: int, task_name: str = TASK_NAME) -> set:
     app = build_app(url, min_size=1, max_size=1)
     app.open()
     try:
-        task = app.tasks[TASK_NAME]
+        task = app.tasks[task_name]
         jobs, eid = [], 0
         for k in range(per_user):
             for u in range(users):
@@ -479,3 +481,149 @@ def w4_measure(url: str, *, calls: int, warmup: int, pending: int, serial: list)
 def server_execution_ms(explain_text: str) -> float | None:
     m = re.search(r"Execution Time: ([\d.]+) ms", explain_text)
     return float(m.group(1)) if m else None
+
+
+# --- W5 / W5s: many slow (1 s) handlers at once in ONE worker process ------------------------------
+
+OURS_HANDLERS = {"async": "bench.handlers:agent_async", "sync": "bench.handlers:agent_sync"}
+PEER_TASKS = {"async": AGENT_TASK, "sync": AGENT_SYNC_TASK}
+
+
+def ours_agent_args(env: dict | None, requested: list | None) -> tuple[list, bool]:
+    """The extra worker flags for W5/W5s, and whether this agent-inbox is the runtime
+    with a connection (and, by default, a handler process) per slot. `requested` None
+    means automatic: `--isolation thread` when `agent-inbox worker --help` lists
+    `--isolation` (a process per slot, ~35 MB each, would not fit at 1,000), else none."""
+    per_slot = "--isolation" in ours_worker_help(env)
+    if requested is not None:
+        return list(requested), per_slot
+    return (["--isolation", "thread"] if per_slot else []), per_slot
+
+
+def peer_variant_name(variant: dict) -> str:
+    name = f"c{variant['concurrency']}"
+    return name + (f"_t{variant['threads']}" if variant.get("threads") else "")
+
+
+def _open_done_query(system: str) -> str:
+    if system == "ours":
+        return ("SELECT count(*) FILTER (WHERE status IN ('pending', 'running')),"
+                " count(*) FILTER (WHERE status = 'done') FROM events")
+    return ("SELECT count(*) FILTER (WHERE status IN ('todo', 'doing')),"
+            " count(*) FILTER (WHERE status = 'succeeded') FROM procrastinate_jobs")
+
+
+def agents(system: str, url: str, *, users: int, concurrency: int, handler: str, sleep: float,
+           lease_ttl: float, timeout: float, stall_s: float, rss_cap_mib: float,
+           conn_cap: int | None, poll: float = 1.0, extra_args: list | None = None,
+           threads: int | None = None, interval: float = 0.1) -> dict:
+    """users x 1 event preloaded (ours: ingest_many; peer: batch_defer_jobs, lock=<user>),
+    then ONE worker process at `concurrency` whose handler waits `sleep` s (handler
+    "async": await asyncio.sleep; "sync": time.sleep). A TreeSampler samples the worker's
+    process tree (RSS, processes, threads) and its connections every `interval` s.
+    The wait is bounded: `timeout` s in all, `stall_s` s without a run finishing, the
+    tree's RSS (`rss_cap_mib`) and connections (`conn_cap`): the first bound hit ends the
+    run and is its `outcome` ("drained" when all work was done)."""
+    res = resources()
+    if system == "ours":
+        reset_ours(url)
+        expected = _preload_ours(url, users, 1)
+        vacuum_analyze(url, "events", "leases")
+        w = Workers("ours", url, 1, concurrency, poll, res.tempdir("rec"), res.tempdir("log"),
+                    env={**OURS_ENV, "BENCH_AGENT_SLEEP": str(sleep)},
+                    handler=OURS_HANDLERS[handler],
+                    extra_args=["--lease-ttl", str(lease_ttl), *(extra_args or [])])
+    else:
+        reset_peer(url)
+        expected = _preload_peer(url, users, 1, PEER_TASKS[handler])
+        vacuum_analyze(url, "procrastinate_jobs")
+        env = {"BENCH_AGENT_SLEEP": str(sleep)}
+        if threads:
+            env["BENCH_PEER_THREADS"] = str(threads)
+        w = Workers("peer", url, 1, concurrency, poll, res.tempdir("rec"), res.tempdir("log"),
+                    env=env, extra_args=list(extra_args or []))
+    n = len(expected)
+    assert n == users, (n, users)
+    query = _open_done_query(system)
+    outcome, t_end, done = "drained", None, 0
+    w.start()
+    sampler = TreeSampler(w.procs[0].pid, url, interval=interval,
+                          rss_cap=int(rss_cap_mib * 2**20) if rss_cap_mib else None,
+                          conn_cap=conn_cap)
+    sampler.start()
+    try:
+        deadline = time.monotonic() + timeout
+        last_done, last_progress = -1, time.monotonic()
+        with psycopg.connect(url, autocommit=True, application_name="bench-poll") as conn:
+            while True:
+                open_, done = conn.execute(query).fetchone()
+                now = time.monotonic()
+                t_end = time.time()
+                if open_ == 0:
+                    break
+                if sampler.tripped:
+                    outcome = "stopped: " + sampler.tripped
+                    break
+                if not w.alive():
+                    outcome = "worker died"
+                    break
+                if done != last_done:
+                    last_done, last_progress = done, now
+                elif now - last_progress > stall_s:
+                    outcome = f"stalled: no run finished for {stall_s:.0f} s"
+                    break
+                if now > deadline:
+                    outcome = f"timeout after {timeout:.0f} s"
+                    break
+                time.sleep(0.05)
+    finally:
+        tree = sampler.stop()
+        # a run that did not drain has work in flight that would keep a graceful stop
+        # waiting (procrastinate finishes every job it holds): 5 s, then SIGKILL
+        stop_processes(w.procs, timeout=20 if outcome == "drained" else 5)
+    recs = records.read(w.record_dir, system)
+    check = check_runs(recs, expected)
+    drained = outcome == "drained"
+    if system == "ours":
+        not_done = scalar(url, "SELECT count(*) FROM events WHERE status <> 'done'")
+        takes = scalar(url, "SELECT coalesce(sum(gen), 0) FROM leases")
+        reclaimed = scalar(url, "SELECT count(*) FROM events WHERE attempts > 1")
+        check.update(not_done=not_done, takes=int(takes), events_claimed_more_than_once=reclaimed)
+        # ours must drain: a bound hit is a failure
+        check["ok"] = check["ok"] and not_done == 0 and drained
+    else:
+        not_done = scalar(url, "SELECT count(*) FROM procrastinate_jobs WHERE status <> 'succeeded'")
+        check.update(not_done=not_done)
+        if not drained:
+            # the peer not finishing (a stall, a bound) is its figure, not a bench failure:
+            # only what it did run must be exactly-once and non-overlapping
+            check["ok"] = (check["handled_twice"] == 0 and check["unexpected"] == 0
+                           and check["overlapping_runs"] == 0)
+        else:
+            check["ok"] = check["ok"] and not_done == 0
+    check["outcome"] = outcome
+    runs = len(recs)
+    ideal = concurrency / sleep
+    out = {"outcome": outcome, "drained": drained, "users": users, "concurrency": concurrency,
+           "sleep_s": sleep, "handler": handler, "extra_args": w.extra_args, "threads": threads,
+           "events": n, "runs": runs, "done": done, "ideal_runs_per_s": ideal,
+           "ideal_drain_s": -(-users // concurrency) * sleep, **tree, "check": check}
+    if recs:
+        first = min(r["s"] for r in recs)
+        last_end = max(r["e"] for r in recs)
+        busy = t_end - first
+        out.update(startup_s=first - w.spawned_at, wall_s=t_end - w.spawned_at,
+                   handler_span_s=last_end - first,
+                   # over what ran until the bound when not drained (then drain_s is None)
+                   runs_per_s_upto_stop=runs / busy if busy > 0 else None)
+        if drained:
+            out.update(drain_s=busy, runs_per_s_drain=runs / busy,
+                       ratio_to_ideal=runs / busy / ideal)
+        # how many ran at once: the most handler spans open at one instant
+        edges = sorted([(r["s"], 1) for r in recs] + [(r["e"], -1) for r in recs])
+        live = peak = 0
+        for _, d in edges:
+            live += d
+            peak = max(peak, live)
+        out["peak_runs_at_once"] = peak
+    return out
