@@ -177,8 +177,10 @@ class Inbox(Runs, Scheduling, Delivery):
         with db.connection(self._pool) as conn:
             with db.pipelined_transaction(conn):
                 conn.execute(lease.LOCK, {"user": user})
-                verdict = inbox.send_finish(conn, user, holder, gen, ids, messages, error, now)
-            return verdict.fetchone()[0]
+                verdict = inbox.send_finish(
+                    conn, [inbox.Finish(user, holder, gen, ids, messages, error)], now)
+            [accepted] = inbox.read_verdicts(verdict)
+            return accepted
 
     def prune(self, *, older_than: int, dedup_window: int = 7 * 86400, include_dead: bool = False,
               now: int | None = None, progress: Callable[[int, int, int], Any] | None = None,

@@ -48,6 +48,12 @@ class Outcome:
     def writes_timers(self) -> bool:
         return self.error is None and bool(self.timer_rows or self.approval_rows)
 
+    @property
+    def finish(self) -> inbox.Finish:
+        run = self.run
+        return inbox.Finish(run.user, run.holder, run.gen, [e.id for e in run.events],
+                            self.messages, self.error)
+
 
 class Runs:
     """Mixed into `agent_inbox.Inbox` (which owns `_pool`, `policy`, `lease_ttl`)."""
@@ -138,18 +144,22 @@ class Runs:
         if not outcomes:
             return []
         users = sorted(o.run.user for o in outcomes)
+        finishes = [o.finish for o in outcomes]
         with db.connection(self._pool) as conn:
             if any(o.writes_timers for o in outcomes):
                 # Timers and approvals are written only once their fence has said yes.
                 with conn.transaction():
                     conn.execute(lease.LOCK_MANY, {"users": users})
-                    return [self._finish_with_timers(conn, o, release, now) for o in outcomes]
+                    accepted = inbox.finish(conn, finishes, now, release=release)
+                    for o, ok in zip(outcomes, accepted):
+                        if ok:
+                            self._write_timers(conn, o, now)
+                    return accepted
             # Locks, fenced finishes and commit, sent as one pipeline: one round trip.
             with db.pipelined_transaction(conn):
                 conn.execute(lease.LOCK_MANY, {"users": users})
-                verdicts = [inbox.send_finish(conn, *self._finish_args(o, now), release=release)
-                            for o in outcomes]
-            return [verdict.fetchone()[0] for verdict in verdicts]
+                verdicts = inbox.send_finish(conn, finishes, now, release=release)
+            return inbox.read_verdicts(verdicts)
 
     def hand_back(self, runs: list[Run], *, now: int | None = None) -> list[str]:
         """Give back runs whose handlers never started: leases expired at once,
@@ -184,19 +194,11 @@ class Runs:
         return answers
 
     @staticmethod
-    def _finish_args(o: Outcome, now: int | None) -> tuple:
-        run = o.run
-        return run.user, run.holder, run.gen, [e.id for e in run.events], o.messages, o.error, now
-
-    def _finish_with_timers(self, conn, o: Outcome, release: bool, now: int | None) -> bool:
-        accepted = inbox.finish(conn, *self._finish_args(o, now), release=release)
-        if accepted:
-            for row in o.timer_rows:
-                timers.upsert(conn, o.run.user, **row)
-            for request_id, row in o.approval_rows:
-                timers.upsert(conn, o.run.user, approvals.expiry_timer_id(request_id),
-                              base=now, **row)
-        return accepted
+    def _write_timers(conn, o: Outcome, now: int | None) -> None:
+        for row in o.timer_rows:
+            timers.upsert(conn, o.run.user, **row)
+        for request_id, row in o.approval_rows:
+            timers.upsert(conn, o.run.user, approvals.expiry_timer_id(request_id), base=now, **row)
 
     @staticmethod
     def _as_runs(holder: str, taken: list[tuple]) -> list[Run]:

@@ -4,8 +4,8 @@ Four parts, each on a thread of its own, share one table of in-flight runs
 (`InFlight`, one object per run, from its take to its commit):
 
 - the **producer** takes as many users as the worker has free capacity
-  (`concurrency` minus the runs in flight) in one statement (leases taken over,
-  batches claimed), and starts their handlers;
+  (`concurrency` minus the runs taken or running) in one statement (leases
+  taken over, batches claimed), and starts their handlers;
 - the **executors** (executors.py) run them: `async def` handlers as tasks on
   one event loop, plain ones on threads, and a run whose last attempt ended
   without a finish in a quarantine process of its own;
@@ -18,8 +18,9 @@ Four parts, each on a thread of its own, share one table of in-flight runs
 
 Invariants kept here:
 
-- at most `concurrency` runs (and so leases) are held at once, and the worker's
-  pool never holds more than POOL_SIZE connections, whatever `concurrency` is;
+- at most `concurrency` handlers run at once (runs that ended wait for the
+  completer's next commit without holding a place), and the worker's pool
+  never holds more than POOL_SIZE connections, whatever `concurrency` is;
 - a run whose lease is lost, or that is stopped, commits nothing: its
   `ctx.lease_lost` is set, an async handler is cancelled, a quarantine process
   is killed, and whatever it returns is ignored;
@@ -53,6 +54,13 @@ log = logging.getLogger("agent_inbox.worker")
 POOL_SIZE = 3
 # How often the keeper looks for runs past their deadline, at most.
 WATCH_INTERVAL = 1.0
+# Seconds between two takes while there is work, at least, and how long the
+# completer gathers endings after the first before it commits them together:
+# both trade a few milliseconds of a run's latency for far fewer statements.
+TAKE_COOLDOWN = 0.05
+COMMIT_WINDOW = 0.02
+# ... unless at least this share of the worker's places is free: then at once.
+TAKE_AT_ONCE = 0.1
 
 
 def holder_id() -> str:
@@ -108,7 +116,8 @@ class Worker:
         self.stop = stop or Stop()
         self.waker = Waker(1)
         self._flights: dict[tuple[str, int], InFlight] = {}
-        self._guard = threading.Condition()  # the table and every flight's state
+        self._executing = 0  # flights taken or running: what --concurrency bounds
+        self._guard = threading.Condition()  # the table, the count and every flight's state
         self._endings: queue.SimpleQueue[Ending] = queue.SimpleQueue()
         self._unsure = False  # a take lost its answer: it may have taken runs unseen
         self.loop = executors.EventLoop()
@@ -128,9 +137,12 @@ class Worker:
         except errors.DatabaseUnavailable:
             self._unsure = True
             raise
+        log.debug("took %d runs of %d asked in %.1f ms", len(runs), users,
+                  1000 * (time.monotonic() - started))
         flights = [InFlight(run, Context(run.user, run.holder, run.gen), started) for run in runs]
         with self._guard:
             self._flights.update((f.run.key, f) for f in flights)
+            self._executing += len(flights)
         for flight in flights:
             self._taken(flight.run)
             self._start(flight)
@@ -138,16 +150,21 @@ class Worker:
 
     def _free(self) -> int:
         with self._guard:
-            return self.concurrency - len(self._flights)
+            return self.concurrency - self._executing
 
     def _produce(self) -> None:
+        """Take whenever there is room: at once when TAKE_AT_ONCE of the places
+        are free, else at most once per TAKE_COOLDOWN while there is work (so
+        runs that end one by one are replaced by one take, not one each); after
+        a notification or the polling interval when there was none."""
         delays = backoff_delays()
         while not self.stop.is_set():
             with self._guard:
-                while len(self._flights) >= self.concurrency and not self.stop.is_set():
+                while self._executing >= self.concurrency and not self.stop.is_set():
                     self._guard.wait()
             if self.stop.is_set():
                 return
+            began = time.monotonic()
             try:
                 flights = self.take(self._free())
                 delays = backoff_delays()
@@ -163,6 +180,11 @@ class Worker:
                 continue
             if not flights:
                 self.waker.wait(jittered(self.poll_interval))
+                continue
+            with self._guard:  # a few places free: let more free up before the next take
+                while (self._executing > self.concurrency * (1 - TAKE_AT_ONCE)
+                       and time.monotonic() < began + TAKE_COOLDOWN and not self.stop.is_set()):
+                    self._guard.wait(max(0.0, began + TAKE_COOLDOWN - time.monotonic()))
 
     def _give_back_orphans(self, now: int | None) -> None:
         """Give back the leases this holder holds beyond the runs in flight: runs
@@ -214,6 +236,8 @@ class Worker:
             if flight.state != "running":
                 return  # stopped meanwhile: its ending is on its way
             flight.state = "ended"
+            self._executing -= 1
+            self._guard.notify_all()
         metrics.RUN_SECONDS.observe(seconds)
         if isinstance(outcome, Crashed):
             log.warning("quarantine run crashed %s: %s", flight.label, outcome.error)
@@ -231,6 +255,8 @@ class Worker:
             if flight.state not in ("taken", "running"):
                 return False
             started, flight.state = flight.state == "running", "stopped"
+            self._executing -= 1
+            self._guard.notify_all()
         flight.ctx.lease_lost.set()
         if flight.cancel is not None:
             flight.cancel()
@@ -369,19 +395,24 @@ class Worker:
         return time.monotonic() - flight.lease_renewed <= self.inbox.lease_ttl
 
     def _complete_forever(self, done: threading.Event) -> None:
-        """Commit endings as they come, all that came since the last commit at once."""
+        """Commit endings as they come: everything that ended within
+        COMMIT_WINDOW of the first one waiting, in one commit."""
         while not (done.is_set() and self._endings.empty()):
             try:
                 batch = [self._endings.get(timeout=0.2)]
             except queue.Empty:
                 continue
-            while True:
+            window = time.monotonic() + COMMIT_WINDOW
+            while (wait := window - time.monotonic()) > 0:
                 try:
-                    batch.append(self._endings.get_nowait())
+                    batch.append(self._endings.get(timeout=wait))
                 except queue.Empty:
                     break
             try:
+                began = time.monotonic()
                 self.complete(batch)
+                log.debug("completed %d runs in %.1f ms", len(batch),
+                          1000 * (time.monotonic() - began))
             except Exception:  # never lose the completer: the leases expire at worst
                 log.exception("completer: writing %d endings failed", len(batch))
                 with self._guard:

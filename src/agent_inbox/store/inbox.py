@@ -7,6 +7,8 @@ attempts), a retried event is claimed alone, and after max_attempts claims an
 event is parked as 'dead', where operators can see it.
 """
 
+from dataclasses import dataclass
+
 from psycopg.rows import class_row
 
 from agent_inbox.records import ClaimPolicy, Event
@@ -83,18 +85,17 @@ def insert_many(conn, rows: list[tuple[str, str, str, str, str | None]]) -> list
 # against the snapshot's (status, attempts), so a stale row is never claimed.
 CLAIM_STEPS = f"""
 open AS (
-    SELECT e.user_id, e.id, e.status, e.attempts,
+    SELECT e.user_id, e.id, e.status, e.attempts, run.gen, run.now,
            e.attempts >= %(max_attempts)s AS exhausted, e.available_at <= run.now AS due,
            row_number() OVER (PARTITION BY e.user_id ORDER BY e.attempts > 0, e.id) AS fresh_rank
-      FROM events e, run
-     WHERE e.user_id = run.user_id
-       AND (e.status = 'pending' OR (e.status = 'running' AND e.claim_gen < run.gen))
+      FROM events e JOIN run ON e.user_id = run.user_id
+     WHERE (e.status = 'pending' OR (e.status = 'running' AND e.claim_gen < run.gen))
 ), retry AS (
     SELECT user_id, min(id) AS id FROM open
      WHERE NOT exhausted AND attempts > 0 AND due
      GROUP BY user_id
 ), plan AS (
-    SELECT o.user_id, o.id, o.status AS old_status, o.attempts AS old_attempts,
+    SELECT o.user_id, o.id, o.gen, o.now, o.status AS old_status, o.attempts AS old_attempts,
            CASE WHEN o.exhausted THEN 'dead'
                 WHEN r.id IS NOT NULL AND o.id = r.id THEN 'running'
                 WHEN r.id IS NULL AND o.attempts = 0 AND o.fresh_rank <= %(max_batch)s
@@ -105,16 +106,16 @@ open AS (
     UPDATE events e
        SET status = p.status,
            attempts = e.attempts + (p.status = 'running')::int,
-           claim_gen = CASE WHEN p.status = 'running' THEN run.gen ELSE e.claim_gen END,
-           claimed_at = CASE WHEN p.status = 'running' THEN run.now ELSE e.claimed_at END,
+           claim_gen = CASE WHEN p.status = 'running' THEN p.gen ELSE e.claim_gen END,
+           claimed_at = CASE WHEN p.status = 'running' THEN p.now ELSE e.claimed_at END,
            available_at = CASE WHEN p.status = 'running'
-                               THEN run.now + floor(least(%(backoff_cap)s::float8,
+                               THEN p.now + floor(least(%(backoff_cap)s::float8,
                                                           %(backoff_base)s * 2 ^ e.attempts)
                                                     * (0.5 + random() / 2))::bigint
                                ELSE e.available_at END,
            error = CASE WHEN p.status = 'dead' THEN 'too many attempts' ELSE e.error END
-      FROM plan p, run
-     WHERE e.user_id = run.user_id AND p.user_id = run.user_id AND e.id = p.id
+      FROM plan p
+     WHERE e.user_id = p.user_id AND e.id = p.id
        -- a row left running by an older generation and not claimed now stays as
        -- it is (the claim reads it as pending): it stays `unfinished`
        AND p.status <> 'pending'
@@ -216,64 +217,104 @@ def read_taken(cursor) -> list[tuple]:
     return list(taken.values())
 
 
-# Invariant 3: the outcome is written only if this holder holds this generation,
-# unexpired, and every event named is still running under it; otherwise nothing
-# is written. Messages are queued by the same statement, so they commit with the
-# outcome; with `release` the lease is expired at once in the same commit.
+# Invariant 3, for several runs in one statement, each behind its own fence: a
+# run's outcome is written only if its holder holds its generation, unexpired,
+# and every event it names is still running under that generation; a run that
+# fails its fence writes nothing, the others are written. Runs are numbered
+# (`n`, from 1, in the order given); events and messages name their run by
+# number (and carry the run's user and generation, so that no step joins runs
+# to runs). Messages are queued in the same statement (in the order given, for a
+# run without an error), so they commit with the outcome; with `release` each
+# accepted run's lease is expired at once in the same commit. Callers lock the
+# runs' lease rows first (LOCK_MANY). One verdict per run, in order.
 FINISH = f"""
 WITH clock AS (
     SELECT {NOW} AS now
+), run AS (
+    SELECT * FROM unnest(%(users)s::text[], %(holders)s::text[], %(gens)s::bigint[],
+                         %(counts)s::int[], %(errors)s::text[])
+                  WITH ORDINALITY AS r(user_id, holder, gen, named, error, n)
 ), mine AS (
-    SELECT id FROM events
-     WHERE user_id = %(user)s AND id = ANY(%(ids)s::bigint[])
-       AND status = 'running' AND claim_gen = %(gen)s
+    SELECT c.n, e.user_id, e.id
+      FROM unnest(%(event_runs)s::bigint[], %(event_users)s::text[], %(event_gens)s::bigint[],
+                  %(event_ids)s::bigint[]) AS c(n, user_id, gen, id)
+      JOIN events e ON e.user_id = c.user_id AND e.id = c.id
+     WHERE e.status = 'running' AND e.claim_gen = c.gen
+), found AS (
+    SELECT n, count(*) AS events FROM mine GROUP BY n
 ), verdict AS (
-    SELECT EXISTS (SELECT 1 FROM leases
-                    WHERE user_id = %(user)s AND holder = %(holder)s AND gen = %(gen)s
-                      AND until >= clock.now)
-           AND (SELECT count(*) FROM mine) = cardinality(%(ids)s::bigint[]) AS ok
-      FROM clock
+    SELECT run.n, run.user_id, run.error,
+           l.user_id IS NOT NULL AND coalesce(found.events, 0) = run.named AS ok
+      FROM run CROSS JOIN clock
+      LEFT JOIN leases l ON l.user_id = run.user_id AND l.holder = run.holder
+                        AND l.gen = run.gen AND l.until >= clock.now
+      LEFT JOIN found ON found.n = run.n
 ), closed AS (
-    UPDATE events e SET status = %(status)s, error = %(error)s
-      FROM mine, verdict
-     WHERE verdict.ok AND e.user_id = %(user)s AND e.id = mine.id
+    UPDATE events e
+       SET status = CASE WHEN verdict.error IS NULL THEN 'done' ELSE 'pending' END,
+           error = verdict.error
+      FROM mine JOIN verdict ON verdict.n = mine.n
+     WHERE verdict.ok AND e.user_id = mine.user_id AND e.id = mine.id
 ), queued AS (
     INSERT INTO outbox (user_id, body, urgent, created)
-    SELECT %(user)s, m.body, m.urgent, clock.now
-      FROM unnest(%(messages)s::text[], %(urgent)s::boolean[]) WITH ORDINALITY AS m(body, urgent, n),
-           clock, verdict
-     WHERE verdict.ok
-     ORDER BY m.n
+    SELECT verdict.user_id, m.body, m.urgent, clock.now
+      FROM unnest(%(message_runs)s::bigint[], %(bodies)s::text[], %(urgent)s::boolean[])
+           WITH ORDINALITY AS m(n, body, urgent, k)
+      JOIN verdict ON verdict.n = m.n, clock
+     WHERE verdict.ok AND verdict.error IS NULL
+     ORDER BY m.k
+ RETURNING 1
 ), released AS (
     UPDATE leases l SET until = clock.now - 1
       FROM clock, verdict
-     WHERE verdict.ok AND %(release)s AND l.user_id = %(user)s
+     WHERE verdict.ok AND %(release)s AND l.user_id = verdict.user_id
 )
-SELECT ok, CASE WHEN ok AND cardinality(%(messages)s::text[]) > 0
+SELECT ok, CASE WHEN n = 1 AND EXISTS (SELECT 1 FROM queued)
                 THEN pg_notify('{notify.OUTBOX}', '') END
-  FROM verdict
+  FROM verdict ORDER BY n
 """
 
 
-def finish(conn, user: str, holder: str, gen: int, ids: list[int], messages: list[tuple[str, bool]],
-           error: str | None, now: int | None, *, release: bool = False) -> bool:
-    """`messages` are (body, urgent) pairs, queued only when error is None."""
-    return send_finish(conn, user, holder, gen, ids, messages, error, now,
-                       release=release).fetchone()[0]
+@dataclass(frozen=True)
+class Finish:
+    """One run's outcome as FINISH takes it; `messages` are (body, urgent),
+    queued only when `error` is None."""
+
+    user: str
+    holder: str
+    gen: int
+    ids: list[int]
+    messages: list[tuple[str, bool]]
+    error: str | None
 
 
-def send_finish(conn, user: str, holder: str, gen: int, ids: list[int],
-                messages: list[tuple[str, bool]], error: str | None, now: int | None, *,
-                release: bool = False):
-    """Send FINISH without reading the verdict (pipeline mode): `.fetchone()[0]`."""
-    queued = [] if error is not None else messages
-    params = {
-        "user": user, "holder": holder, "gen": gen, "ids": ids, "now": now,
-        "status": "pending" if error is not None else "done", "error": error,
-        "messages": [body for body, _ in queued], "urgent": [urgent for _, urgent in queued],
-        "release": release,
-    }
+def send_finish(conn, finishes: list[Finish], now: int | None, *, release: bool = False):
+    """Send FINISH without reading the verdicts (pipeline mode): read_verdicts."""
+    params = {"users": [], "holders": [], "gens": [], "counts": [], "errors": [],
+              "event_runs": [], "event_users": [], "event_gens": [], "event_ids": [],
+              "message_runs": [], "bodies": [], "urgent": [], "now": now, "release": release}
+    for n, f in enumerate(finishes, 1):
+        for key, value in (("users", f.user), ("holders", f.holder), ("gens", f.gen),
+                           ("counts", len(f.ids)), ("errors", f.error)):
+            params[key].append(value)
+        params["event_runs"] += [n] * len(f.ids)
+        params["event_users"] += [f.user] * len(f.ids)
+        params["event_gens"] += [f.gen] * len(f.ids)
+        params["event_ids"] += f.ids
+        if f.error is None:
+            params["message_runs"] += [n] * len(f.messages)
+            params["bodies"] += [body for body, _ in f.messages]
+            params["urgent"] += [urgent for _, urgent in f.messages]
     return conn.execute(FINISH, params)
+
+
+def read_verdicts(cursor) -> list[bool]:
+    return [ok for ok, _ in cursor.fetchall()]
+
+
+def finish(conn, finishes: list[Finish], now: int | None, *, release: bool = False) -> list[bool]:
+    """The fenced finishes (see FINISH); accepted flags, in order."""
+    return read_verdicts(send_finish(conn, finishes, now, release=release))
 
 
 # Operator view of one user's events.
