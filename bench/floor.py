@@ -3,9 +3,10 @@ service and no handler, N processes, K users per take.
 
     .venv/bin/python -m bench.floor [--users 1000] [--per-user 20] [--processes 4] [--take 32]
 
-Each process loops `Inbox.take_runs` / `Inbox.finish_runs(take_as=...)` (one
-commit per take, as the worker does) until no work is left; events/s over the
-wall time from the first take. A database of its own, dropped at the end.
+Each process loops `Inbox.take_runs` then `Inbox.finish_runs` of what it took
+(a take and a commit, as the worker's producer and completer do) until no work
+is left; events/s over the wall time from the first take. A database of its
+own, dropped at the end.
 """
 
 import argparse
@@ -22,12 +23,10 @@ SERVER = "postgresql://postgres@127.0.0.1:5432/postgres"
 def drain(url: str, holder: str, take: int, ready, answers) -> None:
     with Inbox.connect(url, pool_size=1, application_name="bench-floor") as inbox:
         ready.wait()  # every process connected: the clock starts
-        runs = inbox.take_runs(holder, users=take)
         taken = 0
-        while runs:
+        while runs := inbox.take_runs(holder, users=take):
             taken += len(runs)
-            outcomes = [inbox.outcome(run, Result()) for run in runs]
-            _, runs = inbox.finish_runs(outcomes, take_as=holder, take_users=take)
+            inbox.finish_runs([inbox.outcome(run, Result()) for run in runs])
         answers.put(taken)
 
 
