@@ -29,7 +29,12 @@ FULL = {
     "reps": 3,
     "pgbench": {"scale": 10, "clients": 4, "threads": 2, "seconds": 20},
     "insert_loop_s": 5.0,
-    "workers": 4, "concurrency": 1, "poll_interval": 1.0, "drain_timeout": 900,
+    # W1, W1b, W2: the peer's workers run at `concurrency`, ours at `ours_concurrency`
+    # (a run in flight costs ours a task or a thread, no process and no connection, and
+    # the producer takes up to that many users in one statement: 32 is the batch the
+    # previous worker took per take; set it to 1 with --ours-src of such a revision).
+    "workers": 4, "concurrency": 1, "ours_concurrency": 32, "poll_interval": 1.0,
+    "drain_timeout": 900,
     "w1": {"users": 1000, "per_user": 20},
     "w1b": {"users": 20000, "per_user": 1},
     "w2": {"users": 200, "interval": 0.010, "duration": 20.0},
@@ -58,7 +63,8 @@ QUICK = {
     "reps": 1,
     "pgbench": {"scale": 1, "clients": 4, "threads": 2, "seconds": 5},
     "insert_loop_s": 2.0,
-    "workers": 4, "concurrency": 1, "poll_interval": 1.0, "drain_timeout": 300,
+    "workers": 4, "concurrency": 1, "ours_concurrency": 32, "poll_interval": 1.0,
+    "drain_timeout": 300,
     "w1": {"users": 200, "per_user": 10},
     "w1b": {"users": 1000, "per_user": 1},
     "w2": {"users": 50, "interval": 0.010, "duration": 5.0},
@@ -169,8 +175,9 @@ def run_all(cfg: dict, server_url: str, only: set | None, budget_s: float | None
     extra: dict = {"reps_done": 0}
     reps = cfg["reps"]
     wanted = lambda name: only is None or name in only  # noqa: E731
-    workers = dict(workers=cfg["workers"], concurrency=cfg["concurrency"], poll=cfg["poll_interval"],
-                   timeout=cfg["drain_timeout"])
+    workers_of = lambda system: dict(  # noqa: E731
+        workers=cfg["workers"], poll=cfg["poll_interval"], timeout=cfg["drain_timeout"],
+        concurrency=cfg["ours_concurrency" if system == "ours" else "concurrency"])
     started = time.monotonic()
     ceiling_url = ours_url = peer_url = None
     needs_dbs = any(wanted(w) for w in ("w1", "w1b", "w2", "w3", "w5", "w5s"))
@@ -224,13 +231,15 @@ def run_all(cfg: dict, server_url: str, only: set | None, budget_s: float | None
             if wanted(name):
                 log(f"{name}: drain {cfg[name]['users']} users x {cfg[name]['per_user']} events")
                 for system in order:
-                    c.attempt(name, system, wl.drain, system, url_of(system), **cfg[name], **workers)
+                    c.attempt(name, system, wl.drain, system, url_of(system), **cfg[name],
+                              **workers_of(system))
         if wanted("w2"):
             w2 = cfg["w2"]
             log(f"w2: latency, 1 event / {w2['interval'] * 1000:.0f} ms for {w2['duration']} s, "
                 f"{w2['users']} users")
             for system in order:
-                c.attempt("w2", system, wl.latency, system, url_of(system), **w2, **workers)
+                c.attempt("w2", system, wl.latency, system, url_of(system), **w2,
+                          **workers_of(system))
         if wanted("w3"):
             log(f"w3: ingest {len(events)} deliveries, {distinct} distinct keys")
             k, b = w3["conns"], w3["batch"]
@@ -591,7 +600,7 @@ def main(argv=None) -> int:
     print(f"agent-inbox bench ({'quick' if args.quick else 'full'}), {info['date']}, "
           f"nproc {info['nproc']}, {info['postgresql'].split(' on ')[0]}, "
           f"procrastinate {info['procrastinate']}, {cfg['workers']} worker processes x "
-          f"concurrency {cfg['concurrency']} each")
+          f"concurrency {cfg['ours_concurrency']} (agent-inbox) / {cfg['concurrency']} (procrastinate) each")
     code = info["agent_inbox_code"]
     print(f"agent-inbox {code['git']} src {code['sha256']}"
           f"{' (uncommitted: ' + ', '.join(code['uncommitted']) + ')' if code['uncommitted'] else ''}"

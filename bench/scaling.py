@@ -4,7 +4,8 @@
 
 Writes bench/results/scaling.json (or --out) and draws bench/results/w1_scaling.png
 with bench/plot.py. Each point is W1 (users x events preloaded, no-op handler,
-concurrency 1 per process) exactly as in the main run.
+concurrency per process: agent-inbox's ours_concurrency, the peer's concurrency) exactly
+as in the main run.
 """
 
 import json
@@ -38,7 +39,8 @@ def main(args) -> int:
                 for system in order:
                     c.attempt(f"w1_{n}", system, wl.drain, system,
                               ours_url if system == "ours" else peer_url, **cfg["w1"], workers=n,
-                              concurrency=cfg["concurrency"], poll=cfg["poll_interval"],
+                              concurrency=cfg["ours_concurrency" if system == "ours"
+                                              else "concurrency"], poll=cfg["poll_interval"],
                               timeout=cfg["drain_timeout"])
     finally:
         resources().release()

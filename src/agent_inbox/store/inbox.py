@@ -85,17 +85,22 @@ def insert_many(conn, rows: list[tuple[str, str, str, str, str | None]]) -> list
 # against the snapshot's (status, attempts), so a stale row is never claimed.
 CLAIM_STEPS = f"""
 open AS (
-    SELECT e.user_id, e.id, e.status, e.attempts, run.gen, run.now,
+    SELECT e.version, e.user_id, e.id, e.status, e.attempts, run.gen, run.now,
            e.attempts >= %(max_attempts)s AS exhausted, e.available_at <= run.now AS due,
            row_number() OVER (PARTITION BY e.user_id ORDER BY e.attempts > 0, e.id) AS fresh_rank
-      FROM events e JOIN run ON e.user_id = run.user_id
-     WHERE (e.status = 'pending' OR (e.status = 'running' AND e.claim_gen < run.gen))
+      FROM run CROSS JOIN LATERAL (  -- each user's open events by index, never a scan of
+                                     -- all (OFFSET 0: not flattened into a join)
+           SELECT e.ctid AS version, e.* FROM events e
+            WHERE e.user_id = run.user_id
+              AND (e.status = 'pending' OR (e.status = 'running' AND e.claim_gen < run.gen))
+           OFFSET 0) e
 ), retry AS (
     SELECT user_id, min(id) AS id FROM open
      WHERE NOT exhausted AND attempts > 0 AND due
      GROUP BY user_id
 ), plan AS (
-    SELECT o.user_id, o.id, o.gen, o.now, o.status AS old_status, o.attempts AS old_attempts,
+    SELECT o.version, o.user_id, o.id, o.gen, o.now, o.status AS old_status,
+           o.attempts AS old_attempts,
            CASE WHEN o.exhausted THEN 'dead'
                 WHEN r.id IS NOT NULL AND o.id = r.id THEN 'running'
                 WHEN r.id IS NULL AND o.attempts = 0 AND o.fresh_rank <= %(max_batch)s
@@ -115,7 +120,7 @@ open AS (
                                ELSE e.available_at END,
            error = CASE WHEN p.status = 'dead' THEN 'too many attempts' ELSE e.error END
       FROM plan p
-     WHERE e.user_id = p.user_id AND e.id = p.id
+     WHERE e.ctid = p.version  -- the row version the plan read: changed since, not updated
        -- a row left running by an older generation and not claimed now stays as
        -- it is (the claim reads it as pending): it stays `unfinished`
        AND p.status <> 'pending'
@@ -159,7 +164,7 @@ TAKE_WORK = f"""
 WITH clock AS (
     SELECT {NOW} AS now
 ), pick AS (
-    SELECT l.user_id, e.available_at, e.id
+    SELECT l.user_id, l.ctid AS lease, e.available_at, e.id
       FROM events e JOIN leases l ON l.user_id = e.user_id, clock
      WHERE e.status IN ('pending', 'running')
        AND (e.attempts = 0 OR e.available_at <= clock.now)
@@ -168,13 +173,13 @@ WITH clock AS (
      LIMIT %(users)s
        FOR UPDATE OF l SKIP LOCKED
 ), picked AS (
-    SELECT user_id, min(available_at) AS waiting_since, min(id) AS first_id
-      FROM pick GROUP BY user_id
+    SELECT user_id, lease, min(available_at) AS waiting_since, min(id) AS first_id
+      FROM pick GROUP BY user_id, lease
 ), took AS (
     UPDATE leases l
        SET holder = %(holder)s, gen = l.gen + 1, until = clock.now + %(ttl)s
       FROM picked, clock
-     WHERE l.user_id = picked.user_id
+     WHERE l.ctid = picked.lease  -- the row pick locked
  RETURNING l.user_id, l.gen, picked.waiting_since, picked.first_id
 ), run AS (
     SELECT took.user_id, took.gen, clock.now FROM took, clock
@@ -223,7 +228,11 @@ def read_taken(cursor) -> list[tuple]:
 # fails its fence writes nothing, the others are written. Runs are numbered
 # (`n`, from 1, in the order given); events and messages name their run by
 # number (and carry the run's user and generation, so that no step joins runs
-# to runs). Messages are queued in the same statement (in the order given, for a
+# to runs). Rows are found one by one through their keys (LATERAL, fenced by
+# LIMIT so the planner cannot turn it back into a join) and written
+# by the row version found (ctid): plans that stay per-row however stale the
+# statistics of a table whose statuses change all the time; the caller's lease
+# locks keep those rows from changing meanwhile. Messages are queued in the same statement (in the order given, for a
 # run without an error), so they commit with the outcome; with `release` each
 # accepted run's lease is expired at once in the same commit. Callers lock the
 # runs' lease rows first (LOCK_MANY). One verdict per run, in order.
@@ -235,26 +244,30 @@ WITH clock AS (
                          %(counts)s::int[], %(errors)s::text[])
                   WITH ORDINALITY AS r(user_id, holder, gen, named, error, n)
 ), mine AS (
-    SELECT c.n, e.user_id, e.id
+    SELECT c.n, e.version
       FROM unnest(%(event_runs)s::bigint[], %(event_users)s::text[], %(event_gens)s::bigint[],
                   %(event_ids)s::bigint[]) AS c(n, user_id, gen, id)
-      JOIN events e ON e.user_id = c.user_id AND e.id = c.id
-     WHERE e.status = 'running' AND e.claim_gen = c.gen
+      CROSS JOIN LATERAL (SELECT e.ctid AS version FROM events e
+                           WHERE e.user_id = c.user_id AND e.id = c.id
+                             AND e.status = 'running' AND e.claim_gen = c.gen
+                           LIMIT 1) e
 ), found AS (
     SELECT n, count(*) AS events FROM mine GROUP BY n
 ), verdict AS (
-    SELECT run.n, run.user_id, run.error,
-           l.user_id IS NOT NULL AND coalesce(found.events, 0) = run.named AS ok
+    SELECT run.n, run.user_id, run.error, l.version AS lease,
+           l.version IS NOT NULL AND coalesce(found.events, 0) = run.named AS ok
       FROM run CROSS JOIN clock
-      LEFT JOIN leases l ON l.user_id = run.user_id AND l.holder = run.holder
-                        AND l.gen = run.gen AND l.until >= clock.now
+      LEFT JOIN LATERAL (SELECT l.ctid AS version FROM leases l
+                          WHERE l.user_id = run.user_id AND l.holder = run.holder
+                            AND l.gen = run.gen AND l.until >= clock.now
+                          LIMIT 1) l ON true
       LEFT JOIN found ON found.n = run.n
 ), closed AS (
     UPDATE events e
        SET status = CASE WHEN verdict.error IS NULL THEN 'done' ELSE 'pending' END,
            error = verdict.error
       FROM mine JOIN verdict ON verdict.n = mine.n
-     WHERE verdict.ok AND e.user_id = mine.user_id AND e.id = mine.id
+     WHERE verdict.ok AND e.ctid = mine.version
 ), queued AS (
     INSERT INTO outbox (user_id, body, urgent, created)
     SELECT verdict.user_id, m.body, m.urgent, clock.now
@@ -267,7 +280,7 @@ WITH clock AS (
 ), released AS (
     UPDATE leases l SET until = clock.now - 1
       FROM clock, verdict
-     WHERE verdict.ok AND %(release)s AND l.user_id = verdict.user_id
+     WHERE verdict.ok AND %(release)s AND l.ctid = verdict.lease
 )
 SELECT ok, CASE WHEN n = 1 AND EXISTS (SELECT 1 FROM queued)
                 THEN pg_notify('{notify.OUTBOX}', '') END
