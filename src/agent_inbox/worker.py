@@ -106,10 +106,10 @@ class Worker:
                  poll_interval: float = 1.0, grace: float = 30.0, run_timeout: float = 900.0,
                  quarantine: int = 2, holder: str | None = None, stop: Stop | None = None):
         self.inbox = inbox
-        self.reference = handler_reference
         self.handler = handler.load(handler_reference)
         self.concurrency = validate.positive_int("concurrency", concurrency)
         self.run_timeout = _positive_seconds("run_timeout", run_timeout)
+        quarantine = validate.positive_int("quarantine", quarantine)
         self.poll_interval = poll_interval
         self.grace = grace
         self.holder = holder or holder_id()
@@ -121,9 +121,10 @@ class Worker:
         self._endings: queue.SimpleQueue[Ending] = queue.SimpleQueue()
         self._unsure = False  # a take lost its answer: it may have taken runs unseen
         self.loop = executors.EventLoop()
-        self._executor = (None if handler.is_async(self.handler) else executors.Threads(self.loop))
-        self.quarantine = executors.Quarantine(handler_reference,
-                                               validate.positive_int("quarantine", quarantine))
+        # first attempts: on the loop (async def) or a thread each
+        self._executor = (self.loop if handler.is_async(self.handler)
+                          else executors.Threads(self.loop))
+        self.quarantine = executors.Quarantine(handler_reference, quarantine)
 
     # --- the producer ------------------------------------------------------------------
 
@@ -218,8 +219,6 @@ class Worker:
                      flight.label, flight.run.unfinished)
             metrics.QUARANTINED.inc()
             self.quarantine.run(flight, self._begin, self._ended)
-        elif self._executor is None:
-            self.loop.run(self.handler, flight, self._begin, self._ended)
         else:
             self._executor.run(self.handler, flight, self._begin, self._ended)
 
@@ -478,7 +477,7 @@ class Worker:
         deadline = time.monotonic() + timeout
         while len(endings) < len(flights):
             try:
-                endings.append(self._endings.get(timeout=max(0.0, deadline - time.monotonic())))
+                endings.append(self._endings.get(timeout=max(0.1, deadline - time.monotonic())))
             except queue.Empty:
                 for flight in flights:
                     self.stop_run(flight, "timed out")
@@ -503,7 +502,7 @@ class Worker:
         for thread in parts + [producer]:
             thread.start()
         log.info("worker started: holder %s, concurrency %d, %s handler", self.holder,
-                 self.concurrency, "plain" if self._executor else "async")
+                 self.concurrency, "async" if self._executor is self.loop else "plain")
         self.stop.event.wait()
         with self._guard:
             self._guard.notify_all()
