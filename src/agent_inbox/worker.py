@@ -61,6 +61,9 @@ TAKE_COOLDOWN = 0.05
 COMMIT_WINDOW = 0.02
 # ... unless at least this share of the worker's places is free: then at once.
 TAKE_AT_ONCE = 0.1
+# Most users one take holds: when a thousand places free at once, the first
+# hundreds start after one short statement rather than all after one long one.
+TAKE_CHUNK = 200
 
 
 def holder_id() -> str:
@@ -154,10 +157,11 @@ class Worker:
             return self.concurrency - self._executing
 
     def _produce(self) -> None:
-        """Take whenever there is room: at once when TAKE_AT_ONCE of the places
-        are free, else at most once per TAKE_COOLDOWN while there is work (so
-        runs that end one by one are replaced by one take, not one each); after
-        a notification or the polling interval when there was none."""
+        """Take whenever there is room, TAKE_CHUNK users at most per statement:
+        at once when TAKE_AT_ONCE of the places are free, else at most once per
+        TAKE_COOLDOWN while there is work (so runs that end one by one are
+        replaced by one take, not one each); after a notification or the
+        polling interval when there was none."""
         delays = backoff_delays()
         while not self.stop.is_set():
             with self._guard:
@@ -167,7 +171,7 @@ class Worker:
                 return
             began = time.monotonic()
             try:
-                flights = self.take(self._free())
+                flights = self.take(min(self._free(), TAKE_CHUNK))
                 delays = backoff_delays()
             except errors.DatabaseUnavailable as exc:
                 pause = next(delays)
