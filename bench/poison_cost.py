@@ -1,0 +1,102 @@
+"""What one poison event costs the agents runtime: W5's shape (async handlers
+that await 1 s, one worker at --concurrency 1000) with one event that kills
+its process, ingested while a wave of runs is in flight.
+
+    .venv/bin/python -m bench.poison_cost [--users 600] [--concurrency 200] [--quarantine 8]
+
+Reports the runs re-executed (healthy events claimed twice: the runs in flight
+when the runtime died), how many ran in quarantine, the drain time, and the
+peak RSS of the worker's whole process tree (supervisor, runtime, quarantine
+processes). A database of its own, dropped at the end; the worker is stopped.
+"""
+
+import argparse
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import psycopg
+
+from agent_inbox import Inbox, Result, migrate, pgserver
+from bench.common import ROOT, process_tree
+
+SERVER = "postgresql://postgres@127.0.0.1:5432/postgres"
+
+
+def tree_rss_mib(root: int) -> float:
+    return sum(rss for _, rss, _ in process_tree(root).values()) / 2 ** 20
+
+
+async def handle(batch, ctx):
+    if any(e.payload.get("poison") for e in batch):
+        os.kill(os.getpid(), signal.SIGKILL)
+    await asyncio.sleep(1.0)
+    return Result()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--server-url", default=SERVER)
+    parser.add_argument("--users", type=int, default=600)
+    parser.add_argument("--concurrency", type=int, default=200)
+    parser.add_argument("--quarantine", type=int, default=8)
+    parser.add_argument("--timeout", type=float, default=180)
+    args = parser.parse_args()
+    url = pgserver.create_database(args.server_url, prefix="bench_poison")
+    worker = None
+    try:
+        migrate.upgrade(url)
+        with Inbox.connect(url, pool_size=1) as inbox:
+            inbox.ingest_many([(f"u{n:05}", "bench", "1", {}) for n in range(args.users)])
+        worker = subprocess.Popen(
+            [sys.executable, "-m", "agent_inbox.cli", "worker", "--database-url", url,
+             "--handler", "bench.poison_cost:handle", "--concurrency", str(args.concurrency),
+             "--quarantine", str(args.quarantine),
+             "--lease-ttl", "60", "--retry-backoff", "1", "--log-level", "warning"],
+            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+            start_new_session=True)
+        peak = 0.0
+        with psycopg.connect(url, autocommit=True) as conn:
+            def count(sql):
+                return conn.execute(sql).fetchone()[0]
+
+            deadline = time.monotonic() + args.timeout
+            while count("SELECT count(*) FROM events WHERE status = 'running'") < args.concurrency:
+                peak = max(peak, tree_rss_mib(worker.pid))
+                if time.monotonic() > deadline:
+                    raise SystemExit("the first wave never filled the worker")
+                time.sleep(0.02)
+            began = time.monotonic()
+            with Inbox.connect(url, pool_size=1) as inbox:
+                inbox.ingest("poison", "bench", "1", {"poison": True})
+            while count("SELECT count(*) FROM events WHERE status IN ('pending', 'running')"):
+                peak = max(peak, tree_rss_mib(worker.pid))
+                if time.monotonic() > deadline:
+                    raise SystemExit("not drained in time")
+                time.sleep(0.05)
+            drained = time.monotonic() - began
+            again = count("SELECT count(*) FROM events WHERE user_id <> 'poison' AND attempts > 1")
+            poison = conn.execute("SELECT status, attempts FROM events WHERE user_id = 'poison'"
+                                  ).fetchone()
+            dead_healthy = count("SELECT count(*) FROM events WHERE user_id <> 'poison' "
+                                 "AND status = 'dead'")
+        worker.send_signal(signal.SIGTERM)
+        _, log = worker.communicate(timeout=60)
+        restarts = log.count("agent-inbox worker: the runtime")
+        print(f"{args.users} users at concurrency {args.concurrency}, {args.quarantine} quarantine "
+              f"processes, one poison event: "
+              f"runtime restarts {restarts}, runs re-executed {again}, healthy dead {dead_healthy}, "
+              f"poison {poison[0]} after {poison[1]} attempts, drained {drained:.1f} s after the "
+              f"poison arrived, peak RSS of the process tree {peak:.0f} MiB")
+    finally:
+        if worker is not None and worker.poll() is None:
+            os.killpg(worker.pid, signal.SIGKILL)
+            worker.wait()
+        pgserver.drop_database(url)
+
+
+if __name__ == "__main__":
+    main()
