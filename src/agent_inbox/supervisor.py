@@ -33,7 +33,7 @@ PREDECESSOR_ENV = "_AGENT_INBOX_WORKER_PREDECESSOR"
 FATE_ENV = "_AGENT_INBOX_WORKER_PREDECESSOR_FATE"
 # A child that lived less than this died young: the next start waits, doubling.
 YOUNG = 10.0
-MAX_PAUSE = 30.0
+MAX_PAUSE = 5.0
 EXIT_CONFIGURATION = 2  # bad options or schema: starting again would not help
 
 

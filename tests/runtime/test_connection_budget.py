@@ -1,6 +1,8 @@
-"""Connections are a budget, not a crash: ten workers at concurrency 300 each,
-whose budgets (3 pooled + 1 LISTEN = 40) exceed what a throwaway PostgreSQL
-with max_connections=30 lets ordinary roles have (27), drain every event
+"""Connections are a budget, not a crash: ten workers at concurrency 300 each
+against a throwaway PostgreSQL with max_connections=20, which lets ordinary
+roles have 17 connections: fewer than the 20 the workers hold at the least
+(LISTEN and one pooled each), far fewer than their budgets (3 pooled + 1 LISTEN
+= 40), so connections are refused whatever the timing. They drain every event
 exactly once; no worker ever holds more than its 4 connections (each worker
 logs in as a role of its own, so pg_stat_activity tells them apart), the
 refused connections are ridden out with backoff, and every worker stops
@@ -18,7 +20,7 @@ WORKERS, CONCURRENCY, USERS = 10, 300, 4000
 
 
 def test_workers_over_the_servers_connection_limit_all_finish_exactly_once(spawn):
-    with pgserver.TemporaryCluster(settings={"max_connections": "30"}) as cluster:
+    with pgserver.TemporaryCluster(settings={"max_connections": "20"}) as cluster:
         url = pgserver.create_database(cluster.url)
         migrate.upgrade(url)
         database = psycopg.conninfo.conninfo_to_dict(url)["dbname"]

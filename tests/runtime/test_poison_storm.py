@@ -1,8 +1,10 @@
 """A dense storm of poison events among healthy ones, through real worker
-processes that take several users per take: every poison event is dead after
-max_attempts, and no healthy event is charged an attempt by another user's
-crash (each crash kills only the run it was in; the runs behind it in the same
-take run in a new handler process, or are given back untouched)."""
+processes: every poison event is dead after max_attempts, and no healthy event
+is parked dead. A poison event's first attempt kills its worker's runtime and
+the runs in flight beside it (one attempt each: the price of no process per
+run); the supervisor starts another runtime, and every retry of a run that
+ended without a finish runs alone in quarantine, where only the poison event
+dies again."""
 
 from tests.runtime.support import scalar, wait_until, worker_args
 
@@ -26,8 +28,4 @@ def test_a_poison_storm_kills_only_the_poison_events(database_url, inbox, spawn)
     healthy = [e for n in range(USERS) for e in inbox.events(f"u{n:02}") if not e.payload["poison"]]
     assert len(poison) == 14 and len(healthy) == 2 * USERS - 14
     assert {(e.status, e.attempts) for e in poison} == {("dead", 3)}
-    # A healthy event batched with its own user's poison event shares that
-    # claim (the reference's batch rule) and may be charged; no other is.
-    charged = [e for e in healthy if e.attempts != 1]
-    assert all(e.status == "done" for e in healthy)
-    assert all(int(e.user[1:]) % POISON_EVERY == 0 for e in charged), charged
+    assert all(e.status == "done" for e in healthy), [e for e in healthy if e.status != "done"]
