@@ -88,7 +88,9 @@ class Waker:
 
 class Listener(threading.Thread):
     """LISTEN on `channels` on a connection of its own; call `on_notify()` once per
-    notification. Reconnects with backoff; while it is down, services poll."""
+    notification. Whatever ends its loop (a lost connection, or anything else)
+    is logged and the loop starts again after a backoff: it never stops
+    silently. While it is down, services poll."""
 
     def __init__(self, url: str, channels: list[str], on_notify: Callable[[], None], stop: Stop):
         super().__init__(name="agent-inbox-listener", daemon=True)
@@ -108,6 +110,9 @@ class Listener(threading.Thread):
                             self.on_notify()
             except psycopg.Error as exc:
                 log.warning("listener lost its connection (%s); services poll meanwhile", exc)
+                self.stop.wait(next(delays))
+            except Exception:
+                log.exception("listener failed; starting it again, services poll meanwhile")
                 self.stop.wait(next(delays))
 
 
