@@ -52,8 +52,10 @@ def _fate(code: int) -> str:
 
 
 def supervise(argv: list[str]) -> int:
-    """Run `agent-inbox <argv>` as the runtime child until it exits cleanly, a
-    signal stopped it, or it refused its configuration; the child's exit code."""
+    """Run `agent-inbox <argv>` as the runtime child until a signal stopped it
+    or it refused its configuration (exit 2: bad options, schema not at head);
+    the child's exit code. Any other end, a clean exit included (a handler may
+    call os._exit(0)), starts another."""
     child: subprocess.Popen | None = None
     signals: list[int] = []
 
@@ -78,7 +80,7 @@ def supervise(argv: list[str]) -> int:
         if signals:  # a signal came while it was being started
             os.kill(child.pid, signals[-1])
         code = child.wait()
-        if signals or code in (0, EXIT_CONFIGURATION):
+        if signals or code == EXIT_CONFIGURATION:  # a runtime exits 0 only when told to stop
             return code if code >= 0 else 128 - code
         fate = _fate(code)
         lived = time.monotonic() - born

@@ -123,6 +123,9 @@ class Worker:
         self._guard = threading.Condition()  # the table, the count and every flight's state
         self._endings: queue.SimpleQueue[Ending] = queue.SimpleQueue()
         self._unsure = False  # a take lost its answer: it may have taken runs unseen
+        # Started runs whose ending could not be written (the database was away):
+        # their leases expire on their own; never given back as orphans.
+        self._unwritten: dict[tuple[str, int], tuple[Run, float]] = {}
         self.loop = executors.EventLoop()
         # first attempts: on the loop (async def) or a thread each
         self._executor = (self.loop if handler.is_async(self.handler)
@@ -149,7 +152,11 @@ class Worker:
             self._executing += len(flights)
         for flight in flights:
             self._taken(flight.run)
-            self._start(flight)
+            try:
+                self._start(flight)
+            except Exception:  # a thread or a process could not be had: nothing ran
+                log.exception("could not start the run %s; giving it back", flight.label)
+                self.stop_run(flight, "not started")
         return flights
 
     def _free(self) -> int:
@@ -194,8 +201,11 @@ class Worker:
     def _give_back_orphans(self, now: int | None) -> None:
         """Give back the leases this holder holds beyond the runs in flight: runs
         a take committed whose answer the lost connection never brought."""
+        cutoff = time.monotonic() - self.inbox.lease_ttl
         with self._guard:
             known = [f.run for f in self._flights.values()]
+            self._unwritten = {k: v for k, v in self._unwritten.items() if v[1] > cutoff}
+            known += [run for run, _ in self._unwritten.values()]
         orphans = self.inbox.hand_back_orphans(self.holder, known, now=now)
         self._unsure = False
         if orphans:
@@ -251,8 +261,8 @@ class Worker:
         self._endings.put(Ending(flight, "finish", result=outcome))
 
     def stop_run(self, flight: InFlight, reason: str) -> bool:
-        """Stop a run not yet ended: `lost` (its lease is gone), `timed out`, or
-        `shutdown`. Its handler is told and, where possible, stopped; the
+        """Stop a run not yet ended: `lost` (its lease is gone), `timed out`,
+        `not started` (it could not be), or `shutdown`. Its handler is told and, where possible, stopped; the
         completer releases its lease (or gives it back if it never started)."""
         with self._guard:
             if flight.state not in ("taken", "running"):
@@ -339,14 +349,25 @@ class Worker:
             [accepted] = self.inbox.finish_runs([outcome], now=now)
         except (errors.DatabaseUnavailable, errors.TransactionConflict) as exc:
             log.warning("finish of %s failed (%s): its lease expires", flight.label, exc)
+            self._remember_unwritten([flight])
             return False
         except Exception as exc:
             log.exception("the result of user=%s gen=%s cannot be committed", run.user, run.gen)
             outcome = self.inbox.outcome(
                 run, Result(error=f"the run's result could not be committed: {exc!r}"[:2000]))
-            [accepted] = self.inbox.finish_runs([outcome], now=now)
+            try:
+                [accepted] = self.inbox.finish_runs([outcome], now=now)
+            except Exception as again:
+                log.warning("finish of %s failed again (%s): its lease expires", flight.label, again)
+                self._remember_unwritten([flight])
+                return False
         self._finished(outcome, accepted)
         return accepted
+
+    def _remember_unwritten(self, flights: list[InFlight]) -> None:
+        now = time.monotonic()
+        with self._guard:
+            self._unwritten.update((f.run.key, (f.run, now)) for f in flights)
 
     def _outcome(self, run: Run, result: Result) -> Outcome:
         try:
@@ -375,6 +396,7 @@ class Worker:
                                                    at_once=at_once, now=now))
         except Exception as exc:
             log.warning("could not release %d runs (%s): their leases expire", len(flights), exc)
+            self._remember_unwritten(flights)
             released = set()
         why = error or "stopped at shutdown"
         for flight in flights:
@@ -418,6 +440,7 @@ class Worker:
                           1000 * (time.monotonic() - began))
             except Exception:  # never lose the completer: the leases expire at worst
                 log.exception("completer: writing %d endings failed", len(batch))
+                self._remember_unwritten([e.flight for e in batch if e.kind != "give_back"])
                 with self._guard:
                     for ending in batch:
                         self._flights.pop(ending.flight.run.key, None)
@@ -448,14 +471,19 @@ class Worker:
                     metrics.RENEWALS_FAILED.inc()
 
     def time_out(self) -> None:
-        """Stop the runs still going past their deadline."""
+        """Stop the runs still going past their deadline, and those whose lease
+        may have lapsed by this host's clock (renewals failing)."""
         now = time.monotonic()
         with self._guard:
-            late = [f for f in self._flights.values() if f.state == "running" and f.deadline < now]
-        for flight in late:
-            if self.stop_run(flight, "timed out"):
-                log.warning("run timed out after %g s %s", self.run_timeout, flight.label)
-                metrics.RUNS_TIMED_OUT.inc()
+            going = [f for f in self._flights.values() if f.state in ("taken", "running")]
+        for flight in going:
+            if flight.state == "running" and flight.deadline < now:
+                if self.stop_run(flight, "timed out"):
+                    log.warning("run timed out after %g s %s", self.run_timeout, flight.label)
+                    metrics.RUNS_TIMED_OUT.inc()
+            elif not self._may_hold(flight) and self.stop_run(flight, "lost"):
+                log.warning("lease lost %s (not renewed for longer than the TTL)", flight.label)
+                metrics.RENEWALS_FAILED.inc()
 
     def _keep(self, done: threading.Event) -> None:
         renew_every = max(0.2, self.inbox.lease_ttl / 4)

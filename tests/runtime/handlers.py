@@ -177,3 +177,8 @@ def poison_or_hold(batch, ctx):
     while not os.path.exists(payload["release"]):
         time.sleep(0.02)
     return Result(messages=[f"{os.getpid()}"])
+
+
+def exits_cleanly(batch, ctx):
+    """A poison event that ends its process with exit code 0 (os._exit(0))."""
+    os._exit(0)

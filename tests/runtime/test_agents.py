@@ -185,3 +185,14 @@ def test_a_poison_event_that_kills_the_runtime_costs_the_runs_in_flight_one_atte
     assert "was killed by SIGKILL" in output and "released its 6 leases" in output
     assert output.count("quarantine run crashed user=poison") == 2
     assert str(worker.pid) not in quarantined
+
+
+def test_a_runtime_that_exits_0_unasked_is_started_again(database_url, inbox, spawn):
+    inbox.ingest("u", "chat", "1", {})
+    worker = spawn(*worker_args(database_url, "exits_cleanly", "--retry-backoff", "1"))
+    wait_until(lambda: inbox.events("u", status="dead"), "the event to be dead", timeout=60)
+    worker.send_signal(signal.SIGTERM)
+    output, _ = worker.communicate(timeout=60)
+    assert worker.returncode == 0
+    assert "the runtime" in output and "exited with code 0" in output
+    assert output.count("quarantine run crashed user=u") == 2

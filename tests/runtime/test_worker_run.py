@@ -258,3 +258,18 @@ def test_a_stopped_async_run_is_cancelled_and_commits_nothing(inbox, worker):
                                                                 "accepted": 0}
     assert inbox.outbox("u") == [] and inbox.events("u")[0].status == "running"
     assert w.in_flight() == []
+
+
+def test_a_run_that_cannot_be_started_is_given_back_untouched(inbox, worker, monkeypatch):
+    inbox.ingest("u", "chat", "1", {})
+    w = worker(inbox, "echo")
+
+    def no_thread(*args):
+        raise RuntimeError("can't start new thread")
+
+    monkeypatch.setattr(w._executor, "run", no_thread)
+    assert w.run_once(now=T) == {"runs": 0, "events": 0, "accepted": 0}
+    [event] = inbox.events("u")
+    assert (event.status, event.attempts) == ("pending", 0)          # no attempt spent
+    assert inbox.acquire("u", "other", now=T) == 2                    # the lease free at once
+    assert w.in_flight() == []

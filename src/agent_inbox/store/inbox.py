@@ -120,7 +120,7 @@ open AS (
                                ELSE e.available_at END,
            error = CASE WHEN p.status = 'dead' THEN 'too many attempts' ELSE e.error END
       FROM plan p
-     WHERE e.ctid = p.version  -- the row version the plan read: changed since, not updated
+     WHERE e.ctid = p.version  -- the row the plan read (found by a TID scan)
        -- a row left running by an older generation and not claimed now stays as
        -- it is (the claim reads it as pending): it stays `unfinished`
        AND p.status <> 'pending'
@@ -244,7 +244,7 @@ WITH clock AS (
                          %(counts)s::int[], %(errors)s::text[])
                   WITH ORDINALITY AS r(user_id, holder, gen, named, error, n)
 ), mine AS (
-    SELECT c.n, e.version
+    SELECT c.n, c.gen, e.version
       FROM unnest(%(event_runs)s::bigint[], %(event_users)s::text[], %(event_gens)s::bigint[],
                   %(event_ids)s::bigint[]) AS c(n, user_id, gen, id)
       CROSS JOIN LATERAL (SELECT e.ctid AS version FROM events e
@@ -268,6 +268,9 @@ WITH clock AS (
            error = verdict.error
       FROM mine JOIN verdict ON verdict.n = mine.n
      WHERE verdict.ok AND e.ctid = mine.version
+       -- rechecked on the row as written: PostgreSQL 15 does not recheck a
+       -- ctid when a concurrent change makes it re-read the row
+       AND e.status = 'running' AND e.claim_gen = mine.gen
 ), queued AS (
     INSERT INTO outbox (user_id, body, urgent, created)
     SELECT verdict.user_id, m.body, m.urgent, clock.now
