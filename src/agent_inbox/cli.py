@@ -97,6 +97,16 @@ def cmd_worker(args: argparse.Namespace) -> int:
     holder = os.environ.get(supervisor.HOLDER_ENV)
     if holder is None:  # the supervisor: it runs the runtime below in a child
         return supervisor.supervise(args.argv)
+    try:
+        return run_worker_runtime(args, holder)
+    except errors.AgentInboxError as exc:
+        print(f"agent-inbox: {exc}", file=sys.stderr)
+        return supervisor.EXIT_REFUSED
+
+
+def run_worker_runtime(args: argparse.Namespace, holder: str) -> int:
+    """The worker runtime, in the supervisor's child (see supervisor.py)."""
+    from agent_inbox import supervisor
     from agent_inbox.service import Stop
     from agent_inbox.worker import POOL_SIZE, Worker
 

@@ -34,7 +34,11 @@ FATE_ENV = "_AGENT_INBOX_WORKER_PREDECESSOR_FATE"
 # A child that lived less than this died young: the next start waits, doubling.
 YOUNG = 10.0
 MAX_PAUSE = 5.0
-EXIT_CONFIGURATION = 2  # bad options or schema: starting again would not help
+# A runtime that refuses its configuration (bad options, a schema not at head)
+# says so with this code (sysexits' EX_CONFIG): starting again would not help,
+# and the supervisor exits 2, as every command does for bad input. Any other
+# code, 2 included (a handler may call os._exit(2)), starts another runtime.
+EXIT_REFUSED = 78
 
 
 def _die_with_parent() -> None:
@@ -53,8 +57,7 @@ def _fate(code: int) -> str:
 
 def supervise(argv: list[str]) -> int:
     """Run `agent-inbox <argv>` as the runtime child until a signal stopped it
-    or it refused its configuration (exit 2: bad options, schema not at head);
-    the child's exit code. Any other end, a clean exit included (a handler may
+    (its exit code) or it refused its configuration (2). Any other end, a clean exit included (a handler may
     call os._exit(0)), starts another."""
     child: subprocess.Popen | None = None
     signals: list[int] = []
@@ -80,7 +83,9 @@ def supervise(argv: list[str]) -> int:
         if signals:  # a signal came while it was being started
             os.kill(child.pid, signals[-1])
         code = child.wait()
-        if signals or code == EXIT_CONFIGURATION:  # a runtime exits 0 only when told to stop
+        if code == EXIT_REFUSED:
+            return 2
+        if signals:  # a runtime exits 0 only when told to stop
             return code if code >= 0 else 128 - code
         fate = _fate(code)
         lived = time.monotonic() - born

@@ -182,3 +182,8 @@ def poison_or_hold(batch, ctx):
 def exits_cleanly(batch, ctx):
     """A poison event that ends its process with exit code 0 (os._exit(0))."""
     os._exit(0)
+
+
+def exits_2(batch, ctx):
+    """A poison event that ends its process with exit code 2, the code of bad input."""
+    os._exit(2)

@@ -187,12 +187,16 @@ def test_a_poison_event_that_kills_the_runtime_costs_the_runs_in_flight_one_atte
     assert str(worker.pid) not in quarantined
 
 
-def test_a_runtime_that_exits_0_unasked_is_started_again(database_url, inbox, spawn):
+@pytest.mark.parametrize("handler, code", [("exits_cleanly", 0), ("exits_2", 2)])
+def test_a_runtime_that_exits_unasked_is_started_again(database_url, inbox, spawn, handler,
+                                                       code):
+    """Even with 0 or 2 (the code of bad input): the runtime says a refused
+    configuration with a code of its own."""
     inbox.ingest("u", "chat", "1", {})
-    worker = spawn(*worker_args(database_url, "exits_cleanly", "--retry-backoff", "1"))
+    worker = spawn(*worker_args(database_url, handler, "--retry-backoff", "1"))
     wait_until(lambda: inbox.events("u", status="dead"), "the event to be dead", timeout=60)
     worker.send_signal(signal.SIGTERM)
     output, _ = worker.communicate(timeout=60)
     assert worker.returncode == 0
-    assert "the runtime" in output and "exited with code 0" in output
+    assert "the runtime" in output and f"exited with code {code} " in output
     assert output.count("quarantine run crashed user=u") == 2
