@@ -4,8 +4,8 @@
     with Inbox.connect(url) as inbox:
         inbox.ingest("alice", "github", delivery_id, payload)
 
-Names are imported on first use, so a handler process that needs only `Result`
-does not pay for the database client (each worker slot starts one).
+Names are imported on first use, so a quarantine process whose handler needs
+only `Result` does not pay for the database client.
 """
 
 import importlib

@@ -27,7 +27,7 @@ class Event:
 
     def __reduce__(self):
         # Pickled as its fields in order (half the cost of the default): every
-        # batch goes to a handler process this way.
+        # batch goes to a quarantine process this way.
         return Event, _event_fields(self)
 
 
