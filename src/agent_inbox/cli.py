@@ -110,7 +110,7 @@ def run_worker_runtime(args: argparse.Namespace, holder: str) -> int:
     from agent_inbox.service import Stop
     from agent_inbox.worker import POOL_SIZE, Worker
 
-    stop = Stop().install()
+    stop = Stop().install(only_from=os.getppid())
     inbox = open_service_inbox(args, POOL_SIZE, stop=stop, lease_ttl=args.lease_ttl,
                                max_attempts=args.max_attempts, retry_backoff=args.retry_backoff,
                                max_batch=args.max_batch)

@@ -39,10 +39,30 @@ class Stop:
     def __init__(self):
         self.event = threading.Event()
 
-    def install(self) -> "Stop":
-        for signum in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(signum, self._on_signal)
+    def install(self, *, only_from: int | None = None) -> "Stop":
+        """Take SIGTERM and SIGINT. With `only_from` (a pid: the worker
+        runtime's supervisor), signals from any other sender are logged and
+        ignored: the supervisor passes each one on, so a process manager that
+        signals the whole group (systemd's default) is not counted twice. Call
+        it before any thread starts: the signals are blocked in every thread and
+        read by one of their own."""
+        if only_from is None:
+            for signum in (signal.SIGTERM, signal.SIGINT):
+                signal.signal(signum, self._on_signal)
+            return self
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGINT})
+        threading.Thread(target=self._take_signals, args=(only_from,), name="agent-inbox-signals",
+                         daemon=True).start()
         return self
+
+    def _take_signals(self, sender: int) -> None:
+        while True:
+            info = signal.sigwaitinfo({signal.SIGTERM, signal.SIGINT})
+            if info.si_pid != sender:
+                log.warning("%s from pid %d ignored: the supervisor (pid %d) passes signals on",
+                            signal.Signals(info.si_signo).name, info.si_pid, sender)
+                continue
+            self._on_signal(info.si_signo, None)
 
     def _on_signal(self, signum, frame) -> None:
         if self.event.is_set():

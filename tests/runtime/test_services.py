@@ -137,3 +137,22 @@ def _children(pid):
         with open(f"/proc/{pid}/task/{task}/children") as listing:
             children += [int(child) for child in listing.read().split()]
     return children
+
+
+def test_a_signal_sent_to_the_runtime_directly_is_ignored_the_supervisors_is_taken(
+        database_url, inbox, spawn, tmp_path):
+    """As systemd's default KillMode signals every process of the service: the
+    runtime takes signals from its supervisor only, so the graceful stop holds."""
+    release = tmp_path / "release"
+    inbox.ingest("u", "chat", "1", {"release_file": str(release)})
+    worker = spawn(*worker_args(database_url, "hold_until_released", "--grace", "60"))
+    wait_until(lambda: started(release), "the handler to start")
+    [runtime] = _children(worker.pid)
+    os.kill(runtime, signal.SIGTERM)                     # as if from a process manager
+    read_until(worker, f"SIGTERM from pid {os.getpid()} ignored")
+    worker.send_signal(signal.SIGTERM)                   # the supervisor passes it on
+    read_until(worker, "SIGTERM: stopping")
+    release.touch()                                      # the run ends within the grace
+    worker.communicate(timeout=60)
+    assert worker.returncode == 0
+    assert [m.body for m in inbox.outbox("u")] == ["released"]
