@@ -4,7 +4,6 @@ first attempts run in the worker (async on its loop, plain on threads), a run
 whose last attempt ended without a finish runs alone in a quarantine process."""
 
 import os
-import time
 
 import psycopg
 import pytest
