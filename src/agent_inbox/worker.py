@@ -4,8 +4,8 @@ Four parts, each on a thread of its own, share one table of in-flight runs
 (`InFlight`, one object per run, from its take to its commit):
 
 - the **producer** takes as many users as the worker has free capacity
-  (`concurrency` minus the runs taken or running) in one statement (leases
-  taken over, batches claimed), and starts their handlers;
+  (`concurrency` minus the runs taken or running), TAKE_CHUNK at most per
+  statement (leases taken over, batches claimed), and starts their handlers;
 - the **executors** (executors.py) run them: `async def` handlers as tasks on
   one event loop, plain ones on threads, and a run whose last attempt ended
   without a finish in a quarantine process of its own;
@@ -262,8 +262,9 @@ class Worker:
 
     def stop_run(self, flight: InFlight, reason: str) -> bool:
         """Stop a run not yet ended: `lost` (its lease is gone), `timed out`,
-        `not started` (it could not be), or `shutdown`. Its handler is told and, where possible, stopped; the
-        completer releases its lease (or gives it back if it never started)."""
+        `not started` (it could not be), or `shutdown`. Its handler is told
+        and, where possible, stopped; the completer releases its lease (or
+        gives it back if it never started)."""
         with self._guard:
             if flight.state not in ("taken", "running"):
                 return False
