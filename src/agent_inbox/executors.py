@@ -90,11 +90,9 @@ class Quarantine:
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._lanes: list[tuple[threading.Thread, handler.HandlerProcess]] = []
         self._guard = threading.Lock()
-        self.waiting = 0  # runs queued, for the worker's log and tests
 
     def run(self, flight, begin: Begin, ended: Ended) -> None:
         with self._guard:
-            self.waiting += 1
             if len(self._lanes) < self.size:  # a lane's process starts with its first run
                 self._add_lane(begin, ended)
         self._queue.put(flight)
@@ -112,8 +110,6 @@ class Quarantine:
             if flight is None:
                 process.stop()
                 return
-            with self._guard:
-                self.waiting -= 1
             if not begin(flight):
                 continue
             try:
