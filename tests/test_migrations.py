@@ -10,7 +10,7 @@ import pytest
 
 from agent_inbox import errors, migrate, revision
 
-TABLES = {"events", "leases", "timers", "outbox", "operator_actions"}
+TABLES = {"events", "leases", "timers", "outbox", "operator_actions", "deliveries"}
 
 
 def _tables(url: str) -> set[str]:
@@ -105,15 +105,22 @@ def test_migrate_on_a_newer_schema_says_so_and_succeeds(database_url, capsys):
     assert revision.current_revision(database_url) == "a1b2c3"
 
 
-def test_migrations_after_the_first_only_add():
+def test_migrations_after_the_first_only_add_or_widen():
     """Older services keep running on a newer schema (revision.require_head), so a
     migration after 0001 may add tables, indexes and nullable or defaulted
-    columns, and nothing else."""
+    columns, and widen what older code writes (a NOT NULL dropped, a CHECK
+    replaced under the same name), and nothing else."""
     sql = migrate.upgrade_sql(f"{revision.KNOWN[0]}:head")
     code = "\n".join(line for line in sql.splitlines() if not line.lstrip().startswith("--"))
     statements = [" ".join(s.upper().split()) for s in code.split(";") if s.strip()]
     assert any("ADD COLUMN KIND" in s for s in statements)
+    checks_added = {m.group(1) for s in statements
+                    for m in [re.search(r"ADD CONSTRAINT (\w+) CHECK", s)] if m}
     for statement in statements:
+        widened = re.fullmatch(r"ALTER TABLE \w+ ALTER COLUMN \w+ DROP NOT NULL", statement)
+        replaced = re.fullmatch(r"ALTER TABLE \w+ DROP CONSTRAINT (\w+)", statement)
+        if widened or (replaced and replaced.group(1) in checks_added):
+            continue
         assert not re.search(r"\bDROP\b|\bRENAME\b|ALTER COLUMN|SET NOT NULL", statement), statement
         if "ADD COLUMN" in statement:
             assert "NOT NULL" not in statement or "DEFAULT" in statement, statement

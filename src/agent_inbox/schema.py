@@ -100,6 +100,10 @@ timers = sa.Table(
     sa.Column("event_source", sa.Text),
     sa.Column("event_source_id", sa.Text),
     sa.Column("done", sa.Boolean, nullable=False, server_default=sa.false()),
+    # A timer that raised while being fired (a time zone this host lacks) is
+    # parked with its error, skipped by schedulers until add_timer replaces it.
+    sa.Column("parked_at", sa.BigInteger),
+    sa.Column("error", sa.Text),
     sa.PrimaryKeyConstraint("user_id", "timer_id"),
     sa.CheckConstraint("every IS NULL OR every > 0", name="every"),
     sa.CheckConstraint("every IS NULL OR cron IS NULL", name="every_or_cron"),
@@ -131,6 +135,10 @@ outbox = sa.Table(
     # The batch a row was assigned to before sending (its first row's id): a
     # batch resent after a crash holds the same rows and carries the same key.
     sa.Column("batch", sa.BigInteger),
+    # A batch that could not be sent (too many attempts, or a permanent refusal)
+    # is parked: failed_at and the error, until an operator retries or discards it.
+    sa.Column("failed_at", sa.BigInteger),
+    sa.Column("error", sa.Text),
     sa.PrimaryKeyConstraint("user_id", "id"),
 )
 
@@ -143,7 +151,29 @@ sa.Index(
     postgresql_where=sa.text("sent_at IS NULL"),
 )
 
-# Operators' repairs (dead requeue, dead discard), recorded in the transaction
+# A user's delivery state: when a dispatcher should look at the user next
+# (`due_at`: NULL when nothing is held; the dispatchers' scan reads this index
+# only, whatever the number of held messages), the pace (`last_sent_at`), and
+# the batch being sent: claimed by one dispatcher until `sending_until`, its
+# mark-sent fenced by `send_token`, its failed sends counted in `attempts`.
+deliveries = sa.Table(
+    "deliveries",
+    metadata,
+    sa.Column("user_id", sa.Text, nullable=False),
+    sa.Column("due_at", sa.BigInteger),
+    sa.Column("last_sent_at", sa.BigInteger),
+    sa.Column("batch", sa.BigInteger),
+    sa.Column("sending_until", sa.BigInteger),
+    sa.Column("send_token", sa.BigInteger, nullable=False, server_default="0"),
+    sa.Column("attempts", sa.Integer, nullable=False, server_default="0"),
+    sa.Column("last_error", sa.Text),
+    sa.PrimaryKeyConstraint("user_id"),
+    sa.CheckConstraint("attempts >= 0", name="attempts"),
+)
+sa.Index("ix_deliveries_due_at", deliveries.c.due_at,
+         postgresql_where=sa.text("due_at IS NOT NULL"))
+
+# Operators' repairs (dead requeue, dead discard, outbox retry and discard), recorded in the transaction
 # that made them: who, when, which event, and the state it had before.
 operator_actions = sa.Table(
     "operator_actions",
@@ -153,8 +183,13 @@ operator_actions = sa.Table(
     sa.Column("at", sa.BigInteger, nullable=False, server_default=DB_CLOCK),
     sa.Column("actor", sa.Text, nullable=False),
     sa.Column("action", sa.Text, nullable=False),
-    sa.Column("event_id", sa.BigInteger, nullable=False),
+    sa.Column("event_id", sa.BigInteger),
     sa.Column("detail", JSONB, nullable=False),
+    # the outbox batch an outbox_retry or outbox_discard was about
+    sa.Column("outbox_batch", sa.BigInteger),
     sa.PrimaryKeyConstraint("user_id", "id"),
-    sa.CheckConstraint("action IN ('requeue', 'discard')", name="action"),
+    sa.CheckConstraint(
+        "action IN ('requeue', 'discard', 'outbox_retry', 'outbox_discard')", name="action"
+    ),
+    sa.CheckConstraint("(event_id IS NULL) <> (outbox_batch IS NULL)", name="one_target"),
 )
