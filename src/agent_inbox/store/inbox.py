@@ -232,8 +232,9 @@ def read_taken(cursor) -> list[tuple]:
 # LIMIT so the planner cannot turn it back into a join) and written
 # by the row version found (ctid): plans that stay per-row however stale the
 # statistics of a table whose statuses change all the time; the caller's lease
-# locks keep those rows from changing meanwhile. Messages are queued in the same statement (in the order given, for a
-# run without an error), so they commit with the outcome; with `release` each
+# locks keep those rows from changing meanwhile. Messages are queued in the same
+# statement (in the order given, for a run without an error), so they commit with
+# the outcome, and their user's delivery is due now (deliveries); with `release` each
 # accepted run's lease is expired at once in the same commit. Callers lock the
 # runs' lease rows first (LOCK_MANY). One verdict per run, in order.
 FINISH = f"""
@@ -279,7 +280,11 @@ WITH clock AS (
       JOIN verdict ON verdict.n = m.n, clock
      WHERE verdict.ok AND verdict.error IS NULL
      ORDER BY m.k
- RETURNING 1
+ RETURNING user_id
+), paced AS (  -- a dispatcher looks at the user now (store/outbox.py paces the send)
+    INSERT INTO deliveries AS d (user_id, due_at)
+    SELECT DISTINCT user_id, clock.now FROM queued, clock ORDER BY user_id
+        ON CONFLICT (user_id) DO UPDATE SET due_at = least(d.due_at, excluded.due_at)
 ), released AS (
     UPDATE leases l SET until = clock.now - 1
       FROM clock, verdict
