@@ -105,7 +105,8 @@ def parse(expression: str, zone_name: str = "UTC") -> Schedule:
     try:
         zone = ZoneInfo(zone_name)
     except (ZoneInfoNotFoundError, ValueError, TypeError):
-        raise errors.InvalidTimer("timezone", zone_name, "is not a known time zone") from None
+        raise errors.InvalidTimer("timezone", zone_name,
+                                  "is not a known time zone on this host") from None
     fields = expression.split()
     if len(fields) != 5:
         raise errors.InvalidTimer("cron", expression,

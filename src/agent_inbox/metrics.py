@@ -31,6 +31,8 @@ RUN_SECONDS = Histogram("agent_inbox_run_seconds", "Handler run time",
 TIMERS_FIRED = Counter("agent_inbox_timers_fired_total", "Timers fired")
 OCCURRENCES_SKIPPED = Counter("agent_inbox_timer_occurrences_skipped_total",
                               "Timer occurrences coalesced or over the catch-up limit")
+TIMERS_PARKED = Counter("agent_inbox_timers_parked_total",
+                        "Timers parked because firing them raised (skipped until replaced)")
 SENDS = Counter("agent_inbox_outbox_sends_total", "Batches sent by the dispatcher")
 MESSAGES_SENT = Counter("agent_inbox_outbox_messages_sent_total", "Messages sent")
 

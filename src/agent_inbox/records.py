@@ -54,6 +54,8 @@ class Timer:
     timezone: str | None = None
     missed: str = "coalesce"
     catch_up_limit: int = 100
+    parked_at: int | None = None  # set when firing it raised: skipped until replaced
+    error: str | None = None      # what raised
 
 
 @dataclass(frozen=True, slots=True)

@@ -3,17 +3,21 @@
 Safe to run on every host at once, with no leader: due rows are taken with FOR
 UPDATE SKIP LOCKED and each occurrence has its own event key (store/timers.py).
 Between passes it sleeps until the next due timer, a notification that a timer
-was created or replaced, or the polling interval, whichever comes first.
+was created or replaced, or the polling interval, whichever comes first; due
+timers another scheduler holds are retried after a short backoff, not at once.
 """
 
 import logging
 
 from agent_inbox import db
 from agent_inbox.inbox import Inbox
-from agent_inbox.service import Listener, Stop, Waker, serve
+from agent_inbox.service import Listener, Stop, Waker, jittered, serve
 from agent_inbox.store import notify, timers
 
 log = logging.getLogger("agent_inbox.scheduler")
+
+# Seconds a scheduler waits for due timers another scheduler holds.
+HELD_BACKOFF = 1.0
 
 
 class Scheduler:
@@ -24,12 +28,19 @@ class Scheduler:
         self.waker = Waker(1)
 
     def run_once(self, *, now: int | None = None) -> float | None:
-        """Fire every due timer; the seconds until the next one is due (None: none)."""
+        """Fire every due timer it can take; the seconds to sleep (None: no timer
+        left). A due timer left after the pass is held by another scheduler's
+        transaction (or fell due just now): never 0 then, but HELD_BACKOFF
+        (jittered), or less if a later timer falls due sooner."""
         fired = self.inbox.run_scheduler(now=now)
         if fired:
             log.info("fired %d timers", fired)
         with db.connection(self.inbox.pool) as conn:
-            return timers.seconds_to_next_due(conn, now)
+            left, seconds = timers.next_due(conn, now)
+        if not left:
+            return seconds
+        backoff = jittered(HELD_BACKOFF)
+        return backoff if seconds is None else min(seconds, backoff)
 
     def serve(self, url: str) -> None:
         Listener(url, [notify.TIMERS], self.waker.wake_one, self.stop).start()

@@ -1,6 +1,7 @@
 """Timers and approvals: create and list timers, run the scheduler, request and
 answer approvals (the answer and the expiry race under one inbox key)."""
 
+import logging
 from collections.abc import Mapping
 from typing import Any
 
@@ -8,6 +9,8 @@ from agent_inbox import cron as cron_schedule
 from agent_inbox import db, errors, metrics, validate
 from agent_inbox.records import Timer
 from agent_inbox.store import approvals, timers
+
+log = logging.getLogger("agent_inbox.scheduler")
 
 # The most missed occurrences one firing of a catch_up timer turns into events.
 MAX_CATCH_UP = 10_000
@@ -82,21 +85,25 @@ class Scheduling:
 
     def run_scheduler(self, *, now: int | None = None) -> int:
         """Turn every due timer, across all users, into an inbox event; the number
-        fired. Safe to run as many copies at once as you like."""
+        fired. A timer whose firing raises is parked with its error (logged,
+        counted, shown by `timers(user)`) and the others fire. Safe to run as
+        many copies at once as you like."""
         now = validate.optional_epoch("now", now)
         fired_total = 0
-        skipped_total = 0
         with db.connection(self._pool) as conn:
-            for fire in (timers.fire_due, timers.fire_due_cron):
+            for fire in (timers.fire_due_batch, timers.fire_due_cron):
                 while True:
                     with conn.transaction():
-                        fired, skipped = fire(conn, now, SCHEDULER_BATCH)
-                    fired_total += fired
-                    skipped_total += skipped
-                    if fired < SCHEDULER_BATCH:
+                        batch = fire(conn, now, SCHEDULER_BATCH)
+                    fired_total += batch.fired
+                    metrics.TIMERS_FIRED.inc(batch.fired)
+                    metrics.OCCURRENCES_SKIPPED.inc(batch.skipped)
+                    metrics.TIMERS_PARKED.inc(len(batch.parked))
+                    for user, timer_id, error in batch.parked:
+                        log.warning("timer parked: user=%s timer=%s: %s (add_timer re-arms it)",
+                                    user, timer_id, error)
+                    if batch.fired + len(batch.parked) < SCHEDULER_BATCH:
                         break
-        metrics.TIMERS_FIRED.inc(fired_total)
-        metrics.OCCURRENCES_SKIPPED.inc(skipped_total)
         return fired_total
 
     def request_approval(self, user: str, request_id: str, *, expires_in: int, action: Any,

@@ -8,10 +8,18 @@ event for the latest of them ('coalesce', the default), or become one event each
 ('catch_up', at most catch_up_limit per firing, the overflow reported); the next
 due time stays on the schedule. Many schedulers may run at once: due rows are
 taken with FOR UPDATE SKIP LOCKED.
+
+A timer whose firing raises because of its own row (a time zone this host
+cannot load, a next due time past a bigint) is parked: `parked_at` and `error`
+are set in the batch's transaction, the batch's other timers fire, and every
+scan skips it until the timer is replaced (UPSERT clears both).
 """
 
 import json
 from collections import deque
+from typing import NamedTuple
+
+import psycopg
 
 from agent_inbox import cron
 from agent_inbox.records import Timer
@@ -31,7 +39,7 @@ ON CONFLICT (user_id, timer_id) DO UPDATE
        timezone = excluded.timezone, missed = excluded.missed,
        catch_up_limit = excluded.catch_up_limit, payload = excluded.payload,
        event_source = excluded.event_source, event_source_id = excluded.event_source_id,
-       done = false
+       done = false, parked_at = NULL, error = NULL
 RETURNING due, pg_notify('{notify.TIMERS}', '')
 """
 
@@ -49,21 +57,43 @@ def upsert(conn, user: str, timer_id: str, *, base: int | None, delay: int, ever
     return conn.execute(UPSERT, params).fetchone()[0]
 
 
-# Spans users (the scheduler's scan). One batch of due one-off and `every`
-# timers, oldest first, each fired once in one statement: the occurrences to
-# emit (the latest, or with catch_up the latest catch_up_limit), their event
-# inserts, and the timer's advance to the next time on its grid.
-FIRE_DUE = f"""
+class Batch(NamedTuple):
+    """One scheduler transaction's work: timers fired, occurrences skipped
+    (coalesced or over the catch-up limit), timers parked as (user, timer_id, error)."""
+
+    fired: int
+    skipped: int
+    parked: list[tuple[str, str, str]]
+
+
+# Errors a statement raises because of one row's data (a bigint overflow, a
+# payload that cannot be built): that row is parked. Any other database error
+# (connection, lock or statement timeout, serialization) fails the pass.
+_ROW_ERRORS = (psycopg.DataError, psycopg.IntegrityError)
+
+
+def _ripe(columns: str, kind: str, pick: str = "ORDER BY t.due LIMIT %(limit)s") -> str:
+    """Due timers that are not parked (`kind`: 'NULL' for one-off and `every`
+    timers, 'NOT NULL' for cron), locked, skipping those another scheduler holds."""
+    return f"""SELECT {columns}
+      FROM timers t, clock
+     WHERE NOT t.done AND t.parked_at IS NULL AND t.due <= clock.now AND t.cron IS {kind}
+     {pick}
+       FOR UPDATE OF t SKIP LOCKED"""
+
+
+def _fire_sql(pick: str) -> str:
+    """Fire the due one-off and `every` timers `pick` selects, each once, in one
+    statement: the occurrences to emit (the latest, or with catch_up the latest
+    catch_up_limit), their event inserts, and the timer's advance to the next
+    time on its grid."""
+    ripe = _ripe("t.user_id, t.timer_id, t.due, t.every, t.missed, t.catch_up_limit, t.payload,"
+                 " t.event_source, t.event_source_id", "NULL", pick)
+    return f"""
 WITH clock AS (
     SELECT {NOW} AS now
 ), ripe AS (
-    SELECT t.user_id, t.timer_id, t.due, t.every, t.missed, t.catch_up_limit, t.payload,
-           t.event_source, t.event_source_id
-      FROM timers t, clock
-     WHERE NOT t.done AND t.cron IS NULL AND t.due <= clock.now
-     ORDER BY t.due
-     LIMIT %(limit)s
-       FOR UPDATE OF t SKIP LOCKED
+    {ripe}
 ), latest AS (
     SELECT r.*, clock.now,
            CASE WHEN r.every IS NULL THEN 0 ELSE (clock.now - r.due) / r.every END AS skipped
@@ -103,24 +133,62 @@ SELECT count(*),
 """
 
 
+# Spans users (the scheduler's scan): one batch of due one-off and `every`
+# timers, oldest first, set-based.
+FIRE_DUE = _fire_sql("ORDER BY t.due LIMIT %(limit)s")
+# The same for one timer: a batch whose FIRE_DUE failed goes again row by row.
+FIRE_ONE = _fire_sql("AND t.user_id = %(user)s AND t.timer_id = %(timer_id)s")
+# Spans users: the timers FIRE_DUE would take, locked.
+RIPE_ONE_OFF = f"WITH clock AS (SELECT {NOW} AS now)\n" + _ripe("t.user_id, t.timer_id", "NULL")
+
+PARK = f"""
+UPDATE timers SET parked_at = {NOW}, error = %(error)s
+ WHERE user_id = %(user)s AND timer_id = %(timer_id)s
+"""
+
+
+def _park(conn, now: int | None, user: str, timer_id: str, exc: Exception) -> tuple[str, str, str]:
+    """Park a timer the caller holds locked, with what `exc` says."""
+    error = f"{type(exc).__name__}: {exc}"
+    conn.execute(PARK, {"now": now, "user": user, "timer_id": timer_id, "error": error})
+    return user, timer_id, error
+
+
 def fire_due(conn, now: int | None, limit: int) -> tuple[int, int]:
-    """(timers fired, occurrences skipped: coalesced or over the catch-up limit)."""
+    """(timers fired, occurrences skipped) by one FIRE_DUE; raises if any row fails."""
     fired, skipped = conn.execute(FIRE_DUE, {"now": now, "limit": limit}).fetchone()
     return fired, int(skipped)
 
 
+def fire_due_batch(conn, now: int | None, limit: int) -> Batch:
+    """One batch of due one-off and `every` timers, in the caller's transaction:
+    fire_due, or if a row's data makes it fail, the batch one timer at a time
+    under savepoints, parking the timers that fail."""
+    try:
+        with conn.transaction():
+            return Batch(*fire_due(conn, now, limit), [])
+    except _ROW_ERRORS:
+        pass
+    fired = skipped = 0
+    parked = []
+    for user, timer_id in conn.execute(RIPE_ONE_OFF, {"now": now, "limit": limit}).fetchall():
+        params = {"now": now, "user": user, "timer_id": timer_id}
+        try:
+            with conn.transaction():
+                one_fired, one_skipped = conn.execute(FIRE_ONE, params).fetchone()
+        except _ROW_ERRORS as exc:
+            parked.append(_park(conn, now, user, timer_id, exc))
+        else:
+            fired += one_fired
+            skipped += int(one_skipped)
+    return Batch(fired, skipped, parked)
+
+
 # Spans users (the scheduler's scan): due cron timers, taken as FIRE_DUE takes
 # its timers; their occurrences are computed in Python (cron.py).
-RIPE_CRON = f"""
-WITH clock AS (SELECT {NOW} AS now)
-SELECT t.user_id, t.timer_id, t.due, t.cron, t.timezone, t.missed, t.catch_up_limit, t.payload,
-       clock.now
-  FROM timers t, clock
- WHERE NOT t.done AND t.cron IS NOT NULL AND t.due <= clock.now
- ORDER BY t.due
- LIMIT %(limit)s
-   FOR UPDATE OF t SKIP LOCKED
-"""
+RIPE_CRON = f"WITH clock AS (SELECT {NOW} AS now)\n" + _ripe(
+    "t.user_id, t.timer_id, t.due, t.cron, t.timezone, t.missed, t.catch_up_limit, t.payload,"
+    " clock.now", "NOT NULL")
 
 ADVANCE_CRON = """
 UPDATE timers SET due = %(due)s WHERE user_id = %(user)s AND timer_id = %(timer_id)s
@@ -144,46 +212,69 @@ def _occurrences(schedule: cron.Schedule, first: int, until: int, keep: int) -> 
     return list(kept), total
 
 
-def fire_due_cron(conn, now: int | None, limit: int) -> tuple[int, int]:
-    """Fire one batch of due cron timers, in the caller's transaction; as fire_due."""
+def _fire_cron(conn, user, timer_id, due, expression, zone, missed, cap, payload, now_db) -> int:
+    """Fire one locked cron timer and advance it; the occurrences skipped."""
+    schedule = cron.parse(expression, zone)
+    emitted, total = _occurrences(schedule, due, now_db, 1 if missed == "coalesce" else cap)
+    rows = []
+    for at in emitted:
+        body = dict(payload, scheduled_for=at, late_by=now_db - at)
+        if missed == "coalesce":
+            body["skipped"] = total - 1
+        else:
+            body.update(skipped=0, overflow=total - len(emitted))
+        rows.append((user, "timer", f"{timer_id}@{at}", json.dumps(body), None))
+    inbox.insert_many(conn, rows)
+    conn.execute(ADVANCE_CRON, {"user": user, "timer_id": timer_id,
+                                "due": schedule.next_after(now_db)})
+    return total - len(emitted)
+
+
+def fire_due_cron(conn, now: int | None, limit: int) -> Batch:
+    """One batch of due cron timers, in the caller's transaction, each under a
+    savepoint: one that raises because of its row (a time zone or cron this host
+    cannot evaluate, a payload that is not an object) is parked, the others fire."""
     ripe = conn.execute(RIPE_CRON, {"now": now, "limit": limit}).fetchall()
     skipped = 0
-    for user, timer_id, due, expression, zone, missed, cap, payload, now_db in ripe:
-        schedule = cron.parse(expression, zone)
-        emitted, total = _occurrences(schedule, due, now_db, 1 if missed == "coalesce" else cap)
-        rows = []
-        for at in emitted:
-            body = dict(payload, scheduled_for=at, late_by=now_db - at)
-            if missed == "coalesce":
-                body["skipped"] = total - 1
-            else:
-                body.update(skipped=0, overflow=total - len(emitted))
-            rows.append((user, "timer", f"{timer_id}@{at}", json.dumps(body), None))
-        inbox.insert_many(conn, rows)
-        conn.execute(ADVANCE_CRON, {"user": user, "timer_id": timer_id,
-                                    "due": schedule.next_after(now_db)})
-        skipped += total - len(emitted)
-    return len(ripe), skipped
+    parked = []
+    for user, timer_id, *row in ripe:
+        try:
+            with conn.transaction():
+                one_skipped = _fire_cron(conn, user, timer_id, *row)
+        except Exception as exc:
+            if isinstance(exc, psycopg.Error) and not isinstance(exc, _ROW_ERRORS):
+                raise
+            parked.append(_park(conn, now, user, timer_id, exc))
+        else:
+            skipped += one_skipped
+    return Batch(len(ripe) - len(parked), skipped, parked)
 
 
-# Spans users (the scheduler's sleep): seconds until the next timer is due.
+# Spans users (the scheduler's sleep): whether a due timer is left that is not
+# parked (after a pass that took every timer it could: one another scheduler
+# holds, or one that fell due since), and the seconds until the next one falls
+# due after now. Two index lookups on ix_timers_due.
 NEXT_DUE = f"""
-SELECT greatest(0, next_due - {NOW})
-  FROM (SELECT min(due) AS next_due FROM timers WHERE NOT done) m
- WHERE next_due IS NOT NULL
+WITH clock AS (SELECT {NOW} AS now)
+SELECT EXISTS (SELECT FROM timers t
+                WHERE NOT t.done AND t.parked_at IS NULL AND t.due <= clock.now),
+       (SELECT min(t.due) FROM timers t
+         WHERE NOT t.done AND t.parked_at IS NULL AND t.due > clock.now) - clock.now
+  FROM clock
 """
 
 
-def seconds_to_next_due(conn, now: int | None) -> int | None:
-    row = conn.execute(NEXT_DUE, {"now": now}).fetchone()
-    return row[0] if row else None
+def next_due(conn, now: int | None) -> tuple[bool, int | None]:
+    """(a due timer is left, seconds until the next later one: None if none)."""
+    left, seconds = conn.execute(NEXT_DUE, {"now": now}).fetchone()
+    return left, seconds
 
 
 LIST = """
 SELECT timer_id, due, every, payload,
        CASE WHEN event_source IS NULL THEN NULL
             ELSE ARRAY[event_source, event_source_id] END AS key,
-       done, cron, timezone, missed, catch_up_limit
+       done, cron, timezone, missed, catch_up_limit, parked_at, error
   FROM timers WHERE user_id = %(user)s ORDER BY timer_id
 """
 
