@@ -9,7 +9,7 @@ import logging
 import os
 import sys
 
-from agent_inbox import errors, operator
+from agent_inbox import db, errors, operator
 from agent_inbox.ingest import command as ingest_command
 
 
@@ -22,11 +22,24 @@ def env_flag(option: str) -> bool:
     return env_default(option, "").lower() not in ("", "0", "false")
 
 
+def pooler_name(value: str) -> str:
+    if value not in db.POOLERS:
+        raise argparse.ArgumentTypeError(
+            f"invalid choice: {value!r} (choose from {', '.join(db.POOLERS)})")
+    return value
+
+
 def add_database_url(parser: argparse.ArgumentParser, *, required: bool) -> None:
+    """--database-url, and --pooler: what sits between it and PostgreSQL."""
     parser.add_argument(
         "--database-url", default=env_default("database-url"),
         help="PostgreSQL URL or libpq connection string (env AGENT_INBOX_DATABASE_URL)"
              + ("" if required else "; without one, a throwaway local cluster is used"))
+    parser.add_argument(
+        "--pooler", type=pooler_name, choices=db.POOLERS, default=env_default("pooler", "none"),
+        help="'transaction' when --database-url is a transaction pooler's (PgBouncer "
+             "pool_mode = transaction): no server-side prepared statements, and no LISTEN "
+             "but through --listen-url (default none; env AGENT_INBOX_POOLER)")
 
 
 def cmd_migrate(args: argparse.Namespace) -> int:
@@ -37,20 +50,21 @@ def cmd_migrate(args: argparse.Namespace) -> int:
         return 0
     if not args.database_url:
         raise errors.InvalidInput("--database-url", None, "is required (or AGENT_INBOX_DATABASE_URL)")
-    current = revision.current_revision(args.database_url)
+    current = revision.current_revision(args.database_url, pooler=args.pooler)
     if current is not None and current not in revision.KNOWN:
         print(f"database at revision {current}, newer than this agent-inbox knows "
               f"({revision.HEAD}): nothing to do")
         return 0
-    migrate.upgrade(args.database_url, args.revision)
-    print(f"database at revision {revision.current_revision(args.database_url)}")
+    migrate.upgrade(args.database_url, args.revision, pooler=args.pooler)
+    now_at = revision.current_revision(args.database_url, pooler=args.pooler)
+    print(f"database at revision {now_at}")
     return 0
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
     from agent_inbox import demo
 
-    demo.main(args.database_url)
+    demo.main(args.database_url, pooler=args.pooler)
     return 0
 
 
@@ -68,8 +82,8 @@ def open_service_inbox(args: argparse.Namespace, pool_size: int, *, stop=None, *
     delays = backoff_delays()
     while True:
         try:
-            revision.require_head(args.database_url)
-            inbox = Inbox.connect(args.database_url, pool_size=pool_size,
+            revision.require_head(args.database_url, pooler=args.pooler)
+            inbox = Inbox.connect(args.database_url, pool_size=pool_size, pooler=args.pooler,
                                   application_name=f"agent-inbox-{args.command}", **options)
             break
         except errors.DatabaseUnavailable as exc:
@@ -85,6 +99,25 @@ def open_service_inbox(args: argparse.Namespace, pool_size: int, *, stop=None, *
 
         metrics.serve(args.metrics_port, inbox.pool)
     return inbox
+
+
+def listen_url(args: argparse.Namespace, *, check: bool = True) -> str | None:
+    """Where a service LISTENs for wake-ups: --listen-url, which must answer at
+    start (with `check`; else InvalidInput: exit 2); without one, the database
+    URL, unless that is a transaction pooler's, which cannot carry LISTEN: then
+    None, and the service polls every --poll-interval."""
+    from agent_inbox.service import check_answers
+
+    if args.listen_url:
+        if check:
+            check_answers(args.listen_url, "--listen-url")
+        return args.listen_url
+    if args.pooler == "none":
+        return args.database_url
+    logging.getLogger("agent_inbox").info(
+        "--pooler %s and no --listen-url: no LISTEN, polling every %s s", args.pooler,
+        args.poll_interval)
+    return None
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
@@ -116,11 +149,15 @@ def run_worker_runtime(args: argparse.Namespace, holder: str) -> int:
                                max_batch=args.max_batch)
     if inbox is None:
         return 0
+    predecessor = os.environ.get(supervisor.PREDECESSOR_ENV)
     with inbox:
+        # Checked by the first runtime only: a later one starts after a crash,
+        # maybe while the server restarts, and must not end the worker for that.
+        listen = listen_url(args, check=predecessor is None)
         Worker(inbox, args.handler, concurrency=args.concurrency,
                poll_interval=args.poll_interval, grace=args.grace, run_timeout=args.run_timeout,
                quarantine=args.quarantine, holder=holder, stop=stop).serve(
-            args.database_url, predecessor=os.environ.get(supervisor.PREDECESSOR_ENV),
+            listen, predecessor=predecessor,
             predecessor_fate=os.environ.get(supervisor.FATE_ENV, "died"))
     return 0
 
@@ -138,7 +175,7 @@ def cmd_scheduler(args: argparse.Namespace) -> int:
 
     stop = Stop().install()
     with open_service_inbox(args, 2) as inbox:
-        Scheduler(inbox, poll_interval=args.poll_interval, stop=stop).serve(args.database_url)
+        Scheduler(inbox, poll_interval=args.poll_interval, stop=stop).serve(listen_url(args))
     return 0
 
 
@@ -156,7 +193,7 @@ def cmd_dispatcher(args: argparse.Namespace) -> int:
 
 
 def add_service_options(parser: argparse.ArgumentParser) -> None:
-    """--database-url, --log-level and --metrics-port: what every service takes."""
+    """--database-url, --pooler, --log-level and --metrics-port: what every service takes."""
     add_database_url(parser, required=True)
     parser.add_argument("--log-level", default=env_default("log-level", "info"),
                         choices=["debug", "info", "warning", "error"])
@@ -169,6 +206,10 @@ def _service_parser(commands, name: str, help_text: str, poll_default: float):
     add_service_options(parser)
     parser.add_argument("--poll-interval", type=float, default=env_default("poll-interval", poll_default),
                         help=f"seconds between polls when no notification comes (default {poll_default})")
+    parser.add_argument("--listen-url", default=env_default("listen-url"),
+                        help="a direct PostgreSQL URL (not a transaction pooler's) to LISTEN on "
+                             "for wake-ups; default: --database-url, or none with --pooler "
+                             "transaction, and the service polls (env AGENT_INBOX_LISTEN_URL)")
     return parser
 
 

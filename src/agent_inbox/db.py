@@ -3,6 +3,15 @@ translated into agent-inbox's own.
 
 Pooled connections run in autocommit; `transaction(pool)` opens an explicit
 transaction that commits when the block ends and rolls back if it raises.
+
+Behind a transaction pooler (PgBouncer `pool_mode = transaction`, `pooler=
+"transaction"`) consecutive transactions of one client connection may run on
+different server connections, so nothing may outlive a transaction on the
+server: every connection opened through `connect_options(pooler)` prepares no
+statement (psycopg would after 5 executions, and the next transaction's server
+does not have it), and the code keeps no session state (no session advisory
+lock, no SET outside a transaction, no temporary table; LISTEN only on a direct
+connection: service.Listener).
 """
 
 import contextlib
@@ -18,15 +27,27 @@ from agent_inbox import errors
 
 T = TypeVar("T")
 
+# What sits between us and PostgreSQL: nothing, or a pooler that hands each
+# transaction any server connection.
+POOLERS = ("none", "transaction")
 
-def open_pool(url: str, *, size: int, name: str = "agent-inbox", timeout: float = 30.0) -> ConnectionPool:
+
+def connect_options(pooler: str) -> dict:
+    """psycopg.connect() keyword arguments for connections through `pooler`."""
+    if pooler not in POOLERS:
+        raise errors.InvalidInput("pooler", pooler, f"must be one of {', '.join(POOLERS)}")
+    return {"prepare_threshold": None} if pooler == "transaction" else {}
+
+
+def open_pool(url: str, *, size: int, name: str = "agent-inbox", timeout: float = 30.0,
+              pooler: str = "none") -> ConnectionPool:
     """A pool of `size` autocommit connections; raises DatabaseUnavailable if the
     first connection cannot be made within `timeout` seconds."""
     pool = ConnectionPool(
         url,
         min_size=1,
         max_size=size,
-        kwargs={"autocommit": True, "application_name": name},
+        kwargs={"autocommit": True, "application_name": name, **connect_options(pooler)},
         name=name,
         open=False,
     )

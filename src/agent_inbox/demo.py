@@ -130,10 +130,12 @@ def scenarios(inbox: Inbox, say: Callable[..., None] = print) -> None:
     say("   sends:", [s.replace("\n\n", " | ") for s in sent])
 
 
-def main(database_url: str | None, say: Callable[..., None] = print) -> None:
-    """Run the scenarios in a scratch database on `database_url`'s server, or on a
-    throwaway cluster when it is None; nothing is left behind."""
+def main(database_url: str | None, say: Callable[..., None] = print, *,
+         pooler: str = "none") -> None:
+    """Run the scenarios in a scratch database on `database_url`'s server (which
+    may be reached through `pooler`), or on a throwaway cluster when it is None;
+    nothing is left behind."""
     with pgserver.scratch_database(database_url, prefix="agent_inbox_demo") as url:
-        migrate.upgrade(url)
-        with Inbox.connect(url, pool_size=1) as inbox:
+        migrate.upgrade(url, pooler=pooler)
+        with Inbox.connect(url, pool_size=1, pooler=pooler) as inbox:
             scenarios(inbox, say)

@@ -47,13 +47,16 @@ class Inbox(Runs, Scheduling, Delivery):
 
     @classmethod
     def connect(cls, url: str, *, pool_size: int = 4, application_name: str = "agent-inbox",
-                **options) -> "Inbox":
-        """Open a pool to `url` (any libpq connection string or URI). `options`
-        are the constructor's: max_attempts=3, lease_ttl=120, outbox_gap=3600,
-        max_payload_bytes=1 MiB, retry_backoff=5, retry_backoff_cap=300, max_batch=100."""
+                pooler: str = "none", **options) -> "Inbox":
+        """Open a pool to `url` (any libpq connection string or URI). With
+        `pooler="transaction"`, `url` may be a transaction pooler's (PgBouncer in
+        `pool_mode = transaction`): no statement is prepared on the server.
+        `options` are the constructor's: max_attempts=3, lease_ttl=120,
+        outbox_gap=3600, max_payload_bytes=1 MiB, retry_backoff=5,
+        retry_backoff_cap=300, max_batch=100."""
         validate.text("url", url)
         validate.positive_int("pool_size", pool_size)
-        pool = db.open_pool(url, size=pool_size, name=application_name)
+        pool = db.open_pool(url, size=pool_size, name=application_name, pooler=pooler)
         try:
             return cls(pool, **options)
         except BaseException:

@@ -16,7 +16,7 @@ from alembic import command
 from alembic.config import Config
 from alembic.script import ScriptDirectory
 
-from agent_inbox import errors
+from agent_inbox import db, errors
 
 
 def _script_location() -> str:
@@ -36,9 +36,11 @@ def _config(connection=None, url: str | None = None) -> Config:
 
 
 @contextlib.contextmanager
-def _connection(url: str):
+def _connection(url: str, pooler: str = "none"):
+    options = db.connect_options(pooler)
     engine = sa.create_engine(
-        "postgresql+psycopg://", creator=lambda: psycopg.connect(url, connect_timeout=10),
+        "postgresql+psycopg://",
+        creator=lambda: psycopg.connect(url, connect_timeout=10, **options),
         poolclass=sa.NullPool
     )
     try:
@@ -50,9 +52,9 @@ def _connection(url: str):
         engine.dispose()
 
 
-def upgrade(url: str, revision: str = "head") -> None:
+def upgrade(url: str, revision: str = "head", *, pooler: str = "none") -> None:
     """Bring the database at `url` to `revision` (default: the newest)."""
-    with _connection(url) as connection:
+    with _connection(url, pooler) as connection:
         command.upgrade(_config(connection), revision)
 
 

@@ -206,8 +206,8 @@ def _opened(args: argparse.Namespace, name: str):
     if not args.database_url:
         raise errors.InvalidInput("--database-url", None,
                                   "is required (or AGENT_INBOX_DATABASE_URL)")
-    revision.require_head(args.database_url)
-    with Inbox.connect(args.database_url, pool_size=1,
+    revision.require_head(args.database_url, pooler=args.pooler)
+    with Inbox.connect(args.database_url, pool_size=1, pooler=args.pooler,
                        application_name=f"agent-inbox-{name}") as inbox:
         yield inbox
 

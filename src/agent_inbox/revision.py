@@ -13,7 +13,7 @@ import logging
 
 import psycopg
 
-from agent_inbox import errors
+from agent_inbox import db, errors
 
 log = logging.getLogger("agent_inbox.revision")
 
@@ -21,10 +21,11 @@ KNOWN = ("0001", "0002", "0003")  # oldest first
 HEAD = KNOWN[-1]
 
 
-def current_revision(url: str) -> str | None:
+def current_revision(url: str, *, pooler: str = "none") -> str | None:
     """The database's Alembic revision; None for a database never migrated."""
     try:
-        with psycopg.connect(url, autocommit=True, connect_timeout=10) as conn:
+        with psycopg.connect(url, autocommit=True, connect_timeout=10,
+                             **db.connect_options(pooler)) as conn:
             if conn.execute("SELECT to_regclass('alembic_version')").fetchone()[0] is None:
                 return None
             row = conn.execute("SELECT version_num FROM alembic_version").fetchone()
@@ -33,9 +34,9 @@ def current_revision(url: str) -> str | None:
     return row[0] if row else None
 
 
-def require_head(url: str) -> None:
+def require_head(url: str, *, pooler: str = "none") -> None:
     """Refuse to run services against a schema older than this code needs."""
-    current = current_revision(url)
+    current = current_revision(url, pooler=pooler)
     if current == HEAD:
         return
     if current is None or current in KNOWN:

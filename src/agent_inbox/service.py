@@ -2,7 +2,9 @@
 
 A service is a `run_once()` called in a loop. Between passes it sleeps until a
 wake-up: a PostgreSQL notification (LISTEN), or the polling interval (with
-jitter) for when notifications are lost or a pooler drops them. A database
+jitter) for when notifications are lost. LISTEN needs a session of its own on
+the server, which a transaction pooler cannot give: behind one, a service
+LISTENs only on a direct URL (--listen-url), else it polls. A database
 fault never ends a service: it backs off (exponential, capped, jittered) and
 tries again. No service sleeps through `run_once` in tests: they call it.
 """
@@ -15,10 +17,14 @@ import threading
 from collections.abc import Callable, Iterator
 
 import psycopg
+from psycopg import conninfo
 
 from agent_inbox import errors
 
 log = logging.getLogger("agent_inbox")
+
+# Seconds a URL given to LISTEN on has to answer at start (libpq's minimum is 2).
+ANSWER_TIMEOUT = 3
 
 
 def backoff_delays(base: float = 0.5, cap: float = 30.0) -> Iterator[float]:
@@ -106,15 +112,37 @@ class Waker:
                 self._pending -= 1
 
 
+def check_answers(url: str, option: str) -> None:
+    """Raise InvalidInput naming `option` unless a connection to `url` can be
+    made within ANSWER_TIMEOUT seconds (the URL is shown without its password)."""
+    try:
+        shown = conninfo.make_conninfo(**{key: value for key, value in
+                                          conninfo.conninfo_to_dict(url).items()
+                                          if key != "password"})
+    except psycopg.Error as exc:
+        raise errors.InvalidInput(option, "...", f"is not a PostgreSQL URL ({exc})") from None
+    try:
+        with psycopg.connect(url, autocommit=True, connect_timeout=ANSWER_TIMEOUT):
+            pass
+    except psycopg.Error as exc:
+        raise errors.InvalidInput(option, shown, f"does not answer ({str(exc).strip()})") from None
+
+
 class Listener(threading.Thread):
     """LISTEN on `channels` on a connection of its own; call `on_notify()` once per
     notification. Whatever ends its loop (a lost connection, or anything else)
     is logged and the loop starts again after a backoff: it never stops
-    silently. While it is down, services poll."""
+    silently. While it is down, services poll. With `url` None (behind a
+    transaction pooler with no direct URL) it does not start: services poll."""
 
-    def __init__(self, url: str, channels: list[str], on_notify: Callable[[], None], stop: Stop):
+    def __init__(self, url: str | None, channels: list[str], on_notify: Callable[[], None],
+                 stop: Stop):
         super().__init__(name="agent-inbox-listener", daemon=True)
         self.url, self.channels, self.on_notify, self.stop = url, channels, on_notify, stop
+
+    def start(self) -> None:
+        if self.url is not None:
+            super().start()
 
     def run(self) -> None:
         delays = backoff_delays()

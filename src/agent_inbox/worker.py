@@ -518,11 +518,12 @@ class Worker:
 
     # --- the service ------------------------------------------------------------------------
 
-    def serve(self, url: str, *, predecessor: str | None = None,
+    def serve(self, url: str | None, *, predecessor: str | None = None,
               predecessor_fate: str = "died") -> None:
-        """Run until SIGTERM/SIGINT, then shut down gracefully. `predecessor` is
-        the holder of the worker process this one replaces: its leases are
-        released first (it died with its runs)."""
+        """Run until SIGTERM/SIGINT, then shut down gracefully, LISTENing on
+        `url` (None: polling only). `predecessor` is the holder of the worker
+        process this one replaces: its leases are released first (it died with
+        its runs)."""
         if predecessor:
             self._release_predecessor(predecessor, predecessor_fate)
         Listener(url, [notify.WORK], self.waker.wake_one, self.stop).start()
