@@ -188,7 +188,7 @@ def cmd_dispatcher(args: argparse.Namespace) -> int:
     stop = Stop().install()
     with open_service_inbox(args, 2, outbox_gap=args.outbox_gap) as inbox:
         Dispatcher(inbox, channel, poll_interval=args.poll_interval,
-                   at_most_once=args.at_most_once, stop=stop).serve(args.database_url)
+                   at_most_once=args.at_most_once, stop=stop).serve(listen_url(args))
     return 0
 
 
