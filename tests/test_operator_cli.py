@@ -330,13 +330,13 @@ def test_timers_show_due_and_next_due(capsys, database_url, inbox):
 
     code, out, _ = run_cli(capsys, database_url, "timers", "--user", "u", "--now", str(T))
     lines = out.splitlines()
-    assert code == 0 and lines[0].split() == ["timer", "due", "every", "key", "done", "next",
+    assert code == 0 and lines[0].split() == ["timer", "due", "every", "key", "state", "next",
                                               "due"]
-    assert lines[2].split() == ["once", "1970-01-12T13:46:45Z", "-", "reminder/r-1", "no",
+    assert lines[2].split() == ["once", "1970-01-12T13:46:45Z", "-", "reminder/r-1", "waiting",
                                 "in", "5s"]
-    assert lines[3].split() == ["daily", "1970-01-12T14:46:40Z", "1d", "-", "no", "in", "1h"]
+    assert lines[3].split() == ["daily", "1970-01-12T14:46:40Z", "1d", "-", "waiting", "in", "1h"]
     assert "cron 0 9 * * 1 (Europe/Paris)" in lines[4]
-    assert lines[5].split() == ["fired", "1970-01-12T13:46:40Z", "-", "-", "yes", "-"]
+    assert lines[5].split() == ["fired", "1970-01-12T13:46:40Z", "-", "-", "done", "-"]
     code, out, _ = run_cli(capsys, database_url, "timers", "--user", "u", "--limit", "1")
     assert out.splitlines()[-1] == "(showing 1 of 4 timers: --limit)"
 

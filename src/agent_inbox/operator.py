@@ -376,12 +376,17 @@ def cmd_timers(args: argparse.Namespace, name: str) -> int:
     with _opened(args, name) as inbox, db.connection(inbox.pool) as conn:
         found, total = admin.timers(conn, args.user, args.limit, args.now)
     rows = [[t["timer_id"], tables.when(t["due"]), _repeats(t),
-             "/".join(t["key"]) if t["key"] else None, "yes" if t["done"] else "no",
-             None if t["done"] else tables.relative(t["due_in"])] for t in found]
-    text = (tables.format_table(["timer", "due", "every", "key", "done", "next due"], rows)
+             "/".join(t["key"]) if t["key"] else None, t["state"],
+             tables.relative(t["due_in"]) if t["state"] == "waiting" else None] for t in found]
+    text = (tables.format_table(["timer", "due", "every", "key", "state", "next due"], rows)
             if found else f"user {args.user!r} has no timers")
     if len(found) < total:
         text += f"\n(showing {len(found)} of {total} timers: --limit)"
+    parked = [t for t in found if t["state"] == "parked"]
+    if parked:
+        text += "\n\nparked (skipped by schedulers until add_timer replaces the timer):"
+        text += "".join(f"\n  {t['timer_id']} since {tables.when(t['parked_at'])}: {t['error']}"
+                        for t in parked)
     _emit(args, {"user": args.user, "total": total, "timers": found}, text)
     return 0
 

@@ -237,13 +237,17 @@ def actions(conn, user: str | None, limit: int) -> list[dict]:
         return cur.execute(ACTIONS, {"user": user, "limit": limit}).fetchall()
 
 
-# One user's timers (operator view): those still to fire first, soonest first.
+# One user's timers (operator view): those still to fire first, soonest first
+# (a parked timer among them, under the due time it failed at).
 TIMERS = f"""
 WITH clock AS (
     SELECT {NOW} AS now
 )
 SELECT t.timer_id, t.due, t.every, t.cron, t.timezone, t.missed, t.catch_up_limit,
        t.event_source, t.event_source_id, t.done, t.payload,
+       CASE WHEN t.parked_at IS NOT NULL THEN 'parked' WHEN t.done THEN 'done'
+            ELSE 'waiting' END AS state,
+       t.parked_at, t.error,
        t.due - clock.now AS due_in, count(*) OVER () AS total
   FROM timers t, clock
  WHERE t.user_id = %(user)s
@@ -254,7 +258,8 @@ SELECT t.timer_id, t.due, t.every, t.cron, t.timezone, t.missed, t.catch_up_limi
 
 def timers(conn, user: str, limit: int, now: int | None) -> tuple[list[dict], int]:
     """(timers, how many the user has). `key` is the fixed (source, source_id) of
-    a one-off, else None (each occurrence is keyed ('timer', '<id>@<at>'))."""
+    a one-off, else None (each occurrence is keyed ('timer', '<id>@<at>'));
+    `state` is 'waiting', 'done' or 'parked' (with `parked_at` and `error`)."""
     with conn.cursor(row_factory=dict_row) as cur:
         rows = cur.execute(TIMERS, {"user": user, "limit": limit, "now": now}).fetchall()
     total = rows[0]["total"] if rows else 0

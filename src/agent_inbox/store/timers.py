@@ -21,7 +21,7 @@ from typing import NamedTuple
 
 import psycopg
 
-from agent_inbox import cron
+from agent_inbox import cron, errors
 from agent_inbox.records import Timer
 from agent_inbox.store import inbox, notify
 from agent_inbox.store.clock import DB_CLOCK, NOW
@@ -214,6 +214,8 @@ def _occurrences(schedule: cron.Schedule, first: int, until: int, keep: int) -> 
 
 def _fire_cron(conn, user, timer_id, due, expression, zone, missed, cap, payload, now_db) -> int:
     """Fire one locked cron timer and advance it; the occurrences skipped."""
+    if not isinstance(payload, dict):
+        raise errors.InvalidTimer("payload", payload, "must be a JSON object")
     schedule = cron.parse(expression, zone)
     emitted, total = _occurrences(schedule, due, now_db, 1 if missed == "coalesce" else cap)
     rows = []
