@@ -1,12 +1,15 @@
 """Channels that ship with agent-inbox: where the dispatcher's batches go.
 
 A channel is `send(user, text, key)`. Raising leaves the batch unsent: the
-dispatcher sends it again later, with the same rows and the same key.
+dispatcher sends it again after a backoff, with the same rows and the same key,
+unless the channel raised `PermanentSendError` (the batch can never be sent as
+it is), which parks it `failed` at once.
 
 `http_post` POSTs `{"user", "text", "key"}` as JSON to AGENT_INBOX_HTTP_CHANNEL_URL
 with the key as the `Idempotency-Key` header, so the receiver can drop a repeat.
-Connection errors, timeouts, 429 and 5xx answers are retried with exponential
-backoff; any other 4xx is final (the request itself is wrong).
+Connection errors, timeouts, 408, 429 and 5xx answers are retried with
+exponential backoff (then ChannelError: the dispatcher retries later); any other
+4xx raises PermanentSendError (the request itself is wrong).
 
     agent-inbox dispatcher --channel agent_inbox.channels:http_post
 """
@@ -46,8 +49,9 @@ class HttpChannel:
                     response.read()
                     return
             except urllib.error.HTTPError as exc:
-                if exc.code != 429 and exc.code < 500:
-                    raise ChannelError(f"{self.url} refused batch {key}: HTTP {exc.code}") from None
+                if exc.code < 500 and exc.code not in (408, 429):
+                    raise errors.PermanentSendError(
+                        f"{self.url} refused batch {key}: HTTP {exc.code}") from None
                 problem = f"HTTP {exc.code}"
             except (urllib.error.URLError, TimeoutError, ConnectionError) as exc:
                 problem = str(getattr(exc, "reason", exc))

@@ -1,5 +1,6 @@
-"""The outbox, seen from the API: paced dispatch of held messages and the list
-of a user's messages (store/outbox.py holds the rules)."""
+"""The outbox, seen from the API: paced dispatch of one user's held messages,
+the dispatcher's claims and outcomes for many users, the list of a user's
+messages (store/outbox.py holds the rules)."""
 
 from collections.abc import Callable
 from typing import Any
@@ -7,16 +8,24 @@ from typing import Any
 from agent_inbox import db, errors, validate
 from agent_inbox.records import OutboxMessage
 from agent_inbox.store import outbox
+from agent_inbox.store.outbox import Batch, Failure
+
+
+def describe(exc: BaseException) -> str:
+    """A failed send as its record says it: the exception's type and text."""
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
 class Delivery:
-    """Mixed into `agent_inbox.Inbox` (which owns `_pool`, `outbox_gap`)."""
+    """Mixed into `agent_inbox.Inbox` (which owns `_pool`, `outbox_gap`, `send_policy`)."""
 
     def dispatch(self, user: str, send: Callable[[str], Any], *, now: int | None = None) -> int:
         """Send the user's held messages as one text, at most once per outbox_gap
         (an urgent message goes at once); the number of messages sent. `send(text)`
-        is called at most once, inside the transaction that marks the rows sent:
-        if it raises, nothing is marked."""
+        is called at most once, with no database lock or connection held; if it
+        raises, nothing is marked sent, the failure is recorded (the batch goes
+        again, same rows, on the next dispatch), and the exception propagates."""
         if not callable(send):
             raise errors.InvalidInput("send", send, "must be callable")
         return self.dispatch_batch(user, lambda text, key: send(text), now=now)
@@ -27,25 +36,70 @@ class Delivery:
         the batch of rows, and a batch resent after a crash keeps its rows and key,
         so a channel can drop the repeat. At-least-once (the default): send, then
         mark sent; a crash in between sends the batch again. At-most-once: mark,
-        then send; a crash in between loses the batch."""
+        then send; a crash in between loses the batch. A user another dispatcher
+        is sending to gets 0 at once. Unlike the dispatcher service, this sends a
+        batch backing off after a failure at once: the caller asked."""
         user = validate.text("user", user)
         now = validate.optional_epoch("now", now)
         if not callable(deliver):
             raise errors.InvalidInput("deliver", deliver, "must be callable")
-        with db.connection(self._pool) as conn, outbox.user_lock(conn, user) as locked:
-            if not locked:
-                return 0  # another dispatcher is sending to this user
-            with conn.transaction():
-                chosen = outbox.choose_batch(conn, user, self.outbox_gap, now)
-                if chosen is not None and at_most_once:
-                    outbox.mark_sent(conn, user, chosen[0], now)
-            if chosen is None:
-                return 0
-            batch, ids, bodies = chosen
-            deliver("\n\n".join(bodies), f"{user}:{batch}")
+        with db.transaction(self._pool) as conn:
+            batches = self._claim(conn, outbox.lock_user(conn, user), now)
+        if not batches:
+            return 0
+        batch = batches[0]
+        if at_most_once and not self.mark_sent(batches, now=now):
+            return 0
+        try:
+            deliver(batch.text, batch.key)
+        except Exception as exc:
             if not at_most_once:
-                outbox.mark_sent(conn, user, batch, now)
-            return len(ids)
+                self.record_failed([Failure(batch, describe(exc),
+                                            isinstance(exc, errors.PermanentSendError))], now=now)
+            raise
+        if not at_most_once:
+            self.mark_sent(batches, now=now)
+        return len(batch.ids)
+
+    def claim_due(self, limit: int, *, now: int | None = None) -> tuple[int, list[Batch]]:
+        """Claim up to `limit` users whose delivery is due (the dispatcher's
+        scan), in one short transaction: (users looked at, the batches to send
+        now). Users looked at with nothing to send yet are due again when they can."""
+        with db.transaction(self._pool) as conn:
+            locked = outbox.lock_due(conn, limit, now)
+            return len(locked), self._claim(conn, locked, now)
+
+    def _claim(self, conn, locked: list[str], now: int | None) -> list[Batch]:
+        if not locked:
+            return []
+        return outbox.claim(conn, locked, gap=self.outbox_gap,
+                            send_timeout=self.send_policy.timeout, now=now)
+
+    def mark_sent(self, batches: list[Batch], *, now: int | None = None) -> list[Batch]:
+        """Mark claimed batches sent, in one transaction; those whose claim was
+        still theirs (a batch whose claim ran out and was claimed again is the
+        other dispatcher's to mark)."""
+        if not batches:
+            return []
+        with db.transaction(self._pool) as conn:
+            marked = outbox.mark_sent(conn, batches, gap=self.outbox_gap, now=now)
+        return [b for b in batches if (b.user, b.batch) in marked]
+
+    def record_failed(self, failures: list[Failure], *, now: int | None = None) -> dict:
+        """Record failed sends in one transaction: {(user, batch): parked} for
+        those whose claim was still theirs; parked batches are `failed`."""
+        if not failures:
+            return {}
+        policy = self.send_policy
+        with db.transaction(self._pool) as conn:
+            return outbox.record_failed(conn, failures, max_attempts=policy.max_attempts,
+                                        backoff_base=policy.backoff_base,
+                                        backoff_cap=policy.backoff_cap, now=now)
+
+    def seconds_to_next_delivery(self, *, now: int | None = None) -> int | None:
+        """Seconds until a user's delivery is next due (None: nothing held)."""
+        with db.connection(self._pool) as conn:
+            return outbox.seconds_to_next_due(conn, now)
 
     def outbox(self, user: str) -> list[OutboxMessage]:
         user = validate.text("user", user)

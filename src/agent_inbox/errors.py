@@ -59,3 +59,9 @@ class DatabaseUnavailable(AgentInboxError):
 class TransactionConflict(AgentInboxError):
     """Concurrent transactions kept deadlocking on the same rows; the work was
     rolled back whole and may be retried."""
+
+
+class PermanentSendError(AgentInboxError):
+    """Raised by a channel for a batch that can never be sent as it is (the
+    receiver refused the request itself: a 4xx other than 408 and 429). The
+    dispatcher parks the batch `failed` at once instead of retrying it."""

@@ -13,7 +13,7 @@ from typing import Any
 
 from agent_inbox import db, errors, metrics, validate
 from agent_inbox.delivery import Delivery
-from agent_inbox.records import EVENT_STATUSES, ClaimPolicy, Event
+from agent_inbox.records import EVENT_STATUSES, ClaimPolicy, Event, SendPolicy
 from agent_inbox.runs import Run, Runs
 from agent_inbox.scheduling import Scheduling
 from agent_inbox.store import inbox, lease, retention
@@ -34,7 +34,9 @@ class Inbox(Runs, Scheduling, Delivery):
 
     def __init__(self, pool, *, max_attempts: int = 3, lease_ttl: int = 120,
                  outbox_gap: int = 3600, max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES,
-                 retry_backoff: int = 5, retry_backoff_cap: int = 300, max_batch: int = 100):
+                 retry_backoff: int = 5, retry_backoff_cap: int = 300, max_batch: int = 100,
+                 send_timeout: int = 120, max_send_attempts: int = 10, send_backoff: int = 5,
+                 send_backoff_cap: int = 300):
         self.policy = ClaimPolicy(
             max_attempts=validate.positive_int("max_attempts", max_attempts),
             backoff_base=validate.epoch("retry_backoff", retry_backoff),
@@ -42,6 +44,11 @@ class Inbox(Runs, Scheduling, Delivery):
             max_batch=validate.positive_int("max_batch", max_batch))
         self.lease_ttl = validate.positive_int("lease_ttl", lease_ttl)
         self.outbox_gap = validate.epoch("outbox_gap", outbox_gap)
+        self.send_policy = SendPolicy(
+            timeout=validate.positive_int("send_timeout", send_timeout),
+            max_attempts=validate.positive_int("max_send_attempts", max_send_attempts),
+            backoff_base=validate.epoch("send_backoff", send_backoff),
+            backoff_cap=validate.epoch("send_backoff_cap", send_backoff_cap))
         self.max_payload_bytes = validate.positive_int("max_payload_bytes", max_payload_bytes)
         self._pool = pool
 
@@ -53,7 +60,8 @@ class Inbox(Runs, Scheduling, Delivery):
         `pool_mode = transaction`): no statement is prepared on the server.
         `options` are the constructor's: max_attempts=3, lease_ttl=120,
         outbox_gap=3600, max_payload_bytes=1 MiB, retry_backoff=5,
-        retry_backoff_cap=300, max_batch=100."""
+        retry_backoff_cap=300, max_batch=100, send_timeout=120, max_send_attempts=10,
+        send_backoff=5, send_backoff_cap=300."""
         validate.text("url", url)
         validate.positive_int("pool_size", pool_size)
         pool = db.open_pool(url, size=pool_size, name=application_name, pooler=pooler)

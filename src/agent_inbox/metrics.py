@@ -35,6 +35,9 @@ TIMERS_PARKED = Counter("agent_inbox_timers_parked_total",
                         "Timers parked because firing them raised (skipped until replaced)")
 SENDS = Counter("agent_inbox_outbox_sends_total", "Batches sent by the dispatcher")
 MESSAGES_SENT = Counter("agent_inbox_outbox_messages_sent_total", "Messages sent")
+SEND_FAILURES = Counter("agent_inbox_outbox_send_failures_total",
+                        "Failed sends: retried after a backoff, parked failed, or lost "
+                        "(--at-most-once)", ["outcome"])
 
 
 def count_ingested(source: str, stored: bool) -> None:
@@ -45,10 +48,16 @@ def count_ingested(source: str, stored: bool) -> None:
 DEPTH = """
 SELECT status, count(*) FROM events WHERE status IN ('pending', 'running', 'dead') GROUP BY status
 """
+# Spans users: unsent outbox messages, held (to be sent) or in a parked batch.
+OUTBOX_DEPTH = """
+SELECT count(*) FILTER (WHERE failed_at IS NULL), count(*) FILTER (WHERE failed_at IS NOT NULL)
+  FROM outbox WHERE sent_at IS NULL
+"""
 
 
 class InboxDepth:
-    """Events by status, read from the database when Prometheus scrapes."""
+    """Events by status and unsent outbox messages, read from the database when
+    Prometheus scrapes."""
 
     def __init__(self, pool):
         self.pool = pool
@@ -58,12 +67,19 @@ class InboxDepth:
         try:
             with db.connection(self.pool) as conn:
                 counts = dict(conn.execute(DEPTH).fetchall())
+                held, failed = conn.execute(OUTBOX_DEPTH).fetchone()
         except errors.DatabaseUnavailable as exc:
             log.warning("inbox depth unavailable: %s", exc)
             return
         for status in ("pending", "running", "dead"):
             family.add_metric([status], counts.get(status, 0))
         yield family
+        unsent = GaugeMetricFamily("agent_inbox_outbox_messages",
+                                   "Unsent outbox messages: held, or in a batch parked failed",
+                                   labels=["state"])
+        unsent.add_metric(["held"], held)
+        unsent.add_metric(["failed"], failed)
+        yield unsent
 
 
 def serve(port: int, pool) -> None:

@@ -40,6 +40,9 @@ class OutboxMessage:
     body: str
     created: int
     sent_at: int | None
+    failed_at: int | None = None  # its batch was parked: it will not be sent unless retried
+    error: str | None = None      # why its batch's last send failed
+    batch: int | None = None      # the batch it went (or goes) in: the key is <user>:<batch>
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,3 +86,16 @@ class ClaimPolicy:
     def params(self) -> dict[str, int]:
         return {"max_attempts": self.max_attempts, "backoff_base": self.backoff_base,
                 "backoff_cap": self.backoff_cap, "max_batch": self.max_batch}
+
+
+@dataclass(frozen=True, slots=True)
+class SendPolicy:
+    """How the outbox sends: a claim holds a batch for `timeout` seconds (after
+    which another dispatcher sends it again, same rows and key), a failed send
+    is retried after min(cap, base * 2^(failures - 1)) seconds scaled by a
+    random factor in [0.5, 1], and parked `failed` after `max_attempts` sends."""
+
+    timeout: int = 120
+    max_attempts: int = 10
+    backoff_base: int = 5
+    backoff_cap: int = 300

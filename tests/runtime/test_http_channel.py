@@ -6,9 +6,11 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from agent_inbox import Result
+from agent_inbox import PermanentSendError, Result
 from agent_inbox.channels import ChannelError, HttpChannel
 from agent_inbox.dispatcher import Dispatcher
+
+T = 1_000_000
 
 
 class Receiver:
@@ -68,11 +70,20 @@ def test_server_errors_are_retried_with_the_same_key(receiver):
     assert [h["Idempotency-Key"] for h, _ in server.requests] == ["alice:7"] * 3
 
 
-def test_a_client_error_is_final(receiver):
-    server = receiver([400])
-    with pytest.raises(ChannelError, match="HTTP 400"):
+@pytest.mark.parametrize("status", [400, 401, 403, 404, 410, 413, 422])
+def test_a_client_error_is_permanent(receiver, status):
+    server = receiver([status])
+    with pytest.raises(PermanentSendError, match=f"HTTP {status}"):
         HttpChannel(server.url, backoff=0.01)("alice", "hello", "alice:7")
     assert len(server.requests) == 1
+
+
+@pytest.mark.parametrize("status", [408, 429, 500, 502, 503])
+def test_timeouts_throttling_and_server_errors_are_temporary(receiver, status):
+    server = receiver([status, status])
+    with pytest.raises(ChannelError, match=f"after 2 attempts \\(HTTP {status}\\)"):
+        HttpChannel(server.url, attempts=2, backoff=0.01)("alice", "hello", "alice:7")
+    assert len(server.requests) == 2
 
 
 def test_an_unreachable_receiver_fails_after_the_attempts(receiver):
@@ -83,15 +94,36 @@ def test_an_unreachable_receiver_fails_after_the_attempts(receiver):
         HttpChannel(url, attempts=2, backoff=0.01, timeout=2)("alice", "hello", "alice:7")
 
 
-def test_the_dispatcher_leaves_a_refused_batch_unsent_and_resends_it_under_its_key(inbox, receiver):
-    server = receiver([400])
-    inbox.ingest("u", "chat", "1", {})
-    run = inbox.take_work("w", now=1_000_000)
-    inbox.finish_run(run, Result(messages=["report"]), now=1_000_000)
-    dispatcher = Dispatcher(inbox, HttpChannel(server.url, backoff=0.01))
-    dispatcher.run_once(now=1_000_000)             # refused: logged, the batch waits
-    assert inbox.outbox("u")[0].sent_at is None
-    dispatcher.run_once(now=1_000_001)
+def queue_report(inbox, now):
+    inbox.ingest("u", "chat", str(now), {})
+    run = inbox.take_work("w", now=now)
+    assert inbox.finish_run(run, Result(messages=[f"report {now}"]), now=now)
+
+
+def test_the_dispatcher_retries_a_failed_batch_after_a_backoff_under_its_key(inbox, receiver):
+    server = receiver([503])
+    queue_report(inbox, T)
+    dispatcher = Dispatcher(inbox, HttpChannel(server.url, attempts=1))
+    dispatcher.run_once(now=T)                     # 503: the batch backs off
+    [held] = inbox.outbox("u")
+    assert held.sent_at is None and held.failed_at is None and "HTTP 503" in held.error
+    dispatcher.run_once(now=T)                     # still backing off: not sent again
+    assert len(server.requests) == 1
+    dispatcher.run_once(now=T + 5)                 # base 5 s, scaled into [2.5, 5]
     first, second = (body for _, body in server.requests)
-    assert first == second and first["text"] == "report"
-    assert inbox.outbox("u")[0].sent_at == 1_000_001
+    assert first == second and first["text"] == f"report {T}"
+    assert inbox.outbox("u")[0].sent_at == T + 5
+
+
+def test_a_refused_batch_is_parked_failed_and_later_messages_go_on(inbox, receiver):
+    server = receiver([422])
+    queue_report(inbox, T)
+    dispatcher = Dispatcher(inbox, HttpChannel(server.url))
+    dispatcher.run_once(now=T)
+    [parked] = inbox.outbox("u")
+    assert parked.failed_at == T and "HTTP 422" in parked.error and parked.sent_at is None
+    queue_report(inbox, T + 1)
+    dispatcher.run_once(now=T + 1)                 # no send yet: the gap counts real sends
+    [_, second] = (body for _, body in server.requests)
+    assert second["text"] == f"report {T + 1}"
+    assert [m.sent_at for m in inbox.outbox("u")] == [None, T + 1]

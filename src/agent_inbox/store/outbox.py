@@ -1,119 +1,286 @@
-"""The outbox: a run's messages, sent paced per user, in batches with stable keys.
+"""The outbox: a run's messages, sent paced per user, in batches with stable keys,
+with no lock or connection held while a channel sends.
 
-At most one send per `gap` seconds per user (an urgent message goes at once);
-everything held goes as one text, joined by a blank line. A dispatch holds a
-per-user session lock from choosing the batch to marking it sent, so two
-dispatchers never send the same rows nor two batches inside one gap. The batch
-is written down (`batch` = its first row's id) before it is sent: a dispatcher
-that crashed after sending and before marking is followed by one that resends
-exactly those rows under the same key, so the channel can drop the repeat
-(at-least-once). At-most-once channels mark the batch sent before sending.
+A user's delivery row (`deliveries`) says when a dispatcher should look next
+(`due_at`: a finish that queues messages makes it now; the dispatchers' scan
+reads only that index) and holds the pace (`last_sent_at`) and the batch being
+sent. A send goes in three steps:
+
+1. **claim** (one short transaction, the user's delivery row locked): a batch
+   still written down goes again (its rows and key unchanged: a resend after a
+   crash or a failed send); else, if the user's last send is at least `gap`
+   seconds old or a held message is urgent, every held row is written down as a
+   new batch (`batch` = its first row's id). The claim holds the batch until
+   `sending_until` and bumps `send_token`; while the claim holds, no other
+   dispatcher sends that user anything.
+2. **send**, with nothing held in the database.
+3. **mark sent** or **record the failure**, each fenced by the token: a
+   dispatcher whose claim ran out and was taken over writes nothing. A failed
+   batch is retried after an exponential, jittered backoff, and parked `failed`
+   after `max_attempts` failed sends or a permanent refusal; the user's later
+   messages go on behind it. A dispatcher that died mid-send leaves its batch
+   written down: it goes again after `sending_until`, same rows, same key
+   (at-least-once; at-most-once marks it sent before sending).
+
+Every statement that decides from a user's outbox rows runs after that user's
+delivery row is locked, in a statement of its own (a newer snapshot): a finish
+that queues messages upserts the same row in its commit, so it either committed
+before the decision saw its rows, or waits for the lock and makes the user due
+again after it. So a held message is never left with no dispatcher due to look.
 """
 
-import contextlib
-from collections.abc import Iterator
+from dataclasses import dataclass
 
 from psycopg.rows import class_row
 
 from agent_inbox.records import OutboxMessage
 from agent_inbox.store.clock import NOW
 
-# One dispatcher per user at a time; the others skip the user at once. A session
-# lock, held across the batch's transactions and released by UNLOCK_USER (or by
-# the connection's end). A hash collision between two users makes one of them
-# wait for the next pass.
-TRY_LOCK_USER = """
-SELECT pg_try_advisory_lock(hashtextextended('agent_inbox.outbox:' || %(user)s, 0))
+# The users a dispatcher claims: due ones, longest due first, skipping rows
+# another dispatcher (or a finish) holds. LOCK_USER: one user, for the API's
+# dispatch(user), which does not wait for due_at but never waits on a lock either.
+LOCK_DUE = f"""
+SELECT user_id FROM deliveries
+ WHERE due_at <= {NOW}
+ ORDER BY due_at
+ LIMIT %(users)s
+   FOR UPDATE SKIP LOCKED
 """
-UNLOCK_USER = """
-SELECT pg_advisory_unlock(hashtextextended('agent_inbox.outbox:' || %(user)s, 0))
-"""
-
-# A batch written down and not yet marked sent: a previous dispatch died after
-# choosing it (and perhaps after sending it). It goes again, whatever the gap.
-UNFINISHED_BATCH = """
-SELECT id, body, batch FROM outbox
- WHERE user_id = %(user)s AND sent_at IS NULL
-   AND batch = (SELECT min(batch) FROM outbox
-                 WHERE user_id = %(user)s AND sent_at IS NULL AND batch IS NOT NULL)
- ORDER BY id
+LOCK_USER = """
+SELECT user_id FROM deliveries WHERE user_id = %(user)s FOR UPDATE SKIP LOCKED
 """
 
-# Write down a new batch: every held row, if the user's last send is at least
-# `gap` seconds old or a held row is urgent.
-NEW_BATCH = f"""
+# The claim for users whose delivery rows this transaction locked. Per user:
+#   in_flight  another claim still holds a batch: look again when it runs out;
+#   resend     a batch is written down (a failed or interrupted send, or a batch
+#              an operator retried): it goes again, whatever the gap;
+#   send       held rows, and the gap has passed or one is urgent: a new batch;
+#   paced      held rows inside the gap: look again when it ends;
+#   idle       nothing held: not due.
+CLAIM = f"""
 WITH clock AS (
     SELECT {NOW} AS now
-), last AS (
-    SELECT max(sent_at) AS sent_at FROM outbox WHERE user_id = %(user)s
+), mine AS (
+    SELECT d.*, d.ctid AS version, clock.now FROM deliveries d, clock
+     WHERE d.user_id = ANY(%(users)s::text[])
 ), held AS (
-    SELECT id, urgent FROM outbox WHERE user_id = %(user)s AND sent_at IS NULL
-), due AS (
-    SELECT h.id FROM held h, clock, last
-     WHERE last.sent_at IS NULL OR clock.now - last.sent_at >= %(gap)s
-        OR EXISTS (SELECT 1 FROM held WHERE urgent)
+    SELECT m.user_id, o.id, o.body, o.urgent, o.batch
+      FROM mine m CROSS JOIN LATERAL (
+           SELECT o.id, o.body, o.urgent, o.batch FROM outbox o
+            WHERE o.user_id = m.user_id AND o.sent_at IS NULL AND o.failed_at IS NULL
+           OFFSET 0) o
+), looked AS (
+    SELECT m.*,
+           -- the batch written down: the claimed one, else one an operator
+           -- retried (its rows keep their batch), if it still has held rows
+           (SELECT min(h.batch) FROM held h WHERE h.user_id = m.user_id
+               AND h.batch = coalesce(m.batch, h.batch)) AS written,
+           (SELECT min(h.id) FROM held h WHERE h.user_id = m.user_id) AS first_held,
+           EXISTS (SELECT 1 FROM held h WHERE h.user_id = m.user_id AND h.urgent) AS urgent
+      FROM mine m
+), verdict AS (
+    SELECT l.*, CASE
+           WHEN l.batch IS NOT NULL AND l.sending_until >= l.now THEN 'in_flight'
+           WHEN l.written IS NOT NULL THEN 'resend'
+           WHEN l.first_held IS NULL THEN 'idle'
+           WHEN l.urgent OR l.last_sent_at IS NULL OR l.now - l.last_sent_at >= %(gap)s
+           THEN 'send'
+           ELSE 'paced' END AS verdict
+      FROM looked l
+), written_down AS (
+    UPDATE outbox o SET batch = v.first_held
+      FROM verdict v JOIN held h ON h.user_id = v.user_id
+     WHERE v.verdict = 'send' AND o.user_id = h.user_id AND o.id = h.id
+), claimed AS (
+    UPDATE deliveries d
+       SET batch = CASE v.verdict WHEN 'send' THEN v.first_held WHEN 'resend' THEN v.written
+                                  WHEN 'in_flight' THEN d.batch END,
+           sending_until = CASE v.verdict WHEN 'in_flight' THEN d.sending_until
+                                          WHEN 'send' THEN v.now + %(send_timeout)s
+                                          WHEN 'resend' THEN v.now + %(send_timeout)s END,
+           send_token = d.send_token + (v.verdict IN ('send', 'resend'))::int,
+           due_at = CASE v.verdict WHEN 'idle' THEN NULL
+                                   WHEN 'paced' THEN d.last_sent_at + %(gap)s
+                                   WHEN 'in_flight' THEN d.sending_until
+                                   ELSE v.now + %(send_timeout)s END
+      FROM verdict v
+     WHERE d.ctid = v.version
+ RETURNING d.user_id, d.batch, d.send_token, v.verdict
 )
-UPDATE outbox o SET batch = (SELECT min(id) FROM due)
-  FROM due
- WHERE o.user_id = %(user)s AND o.id = due.id
-RETURNING o.id, o.body, o.batch
+SELECT c.user_id, c.batch, c.send_token, h.id, h.body
+  FROM claimed c JOIN held h ON h.user_id = c.user_id
+ WHERE c.verdict = 'send' OR (c.verdict = 'resend' AND h.batch = c.batch)
+ ORDER BY c.user_id, h.id
 """
 
+
+@dataclass(frozen=True)
+class Batch:
+    """A claimed batch: send `text` under `key`, then report with `token`."""
+
+    user: str
+    batch: int
+    token: int
+    ids: list[int]
+    bodies: list[str]
+
+    @property
+    def key(self) -> str:
+        return f"{self.user}:{self.batch}"
+
+    @property
+    def text(self) -> str:
+        return "\n\n".join(self.bodies)
+
+
+def claim(conn, users: list[str], *, gap: int, send_timeout: int, now: int | None) -> list[Batch]:
+    """The batches to send now for `users`, whose delivery rows the caller's
+    transaction has locked (lock_due or lock_user)."""
+    params = {"users": users, "gap": gap, "send_timeout": send_timeout, "now": now}
+    batches: dict[str, Batch] = {}
+    for user, batch, token, row_id, body in conn.execute(CLAIM, params).fetchall():
+        found = batches.setdefault(user, Batch(user, batch, token, [], []))
+        found.ids.append(row_id)
+        found.bodies.append(body)
+    return list(batches.values())
+
+
+def lock_due(conn, limit: int, now: int | None) -> list[str]:
+    return [u for u, in conn.execute(LOCK_DUE, {"users": limit, "now": now}).fetchall()]
+
+
+def lock_user(conn, user: str) -> list[str]:
+    return [u for u, in conn.execute(LOCK_USER, {"user": user}).fetchall()]
+
+
+# Batches sent: their rows marked, the pace restarted, fenced by the claim's
+# token. The next look is after the gap, or now if an urgent message waits
+# (queued before this statement, or by a finish that updated the row since).
 MARK_SENT = f"""
-UPDATE outbox SET sent_at = {NOW}
- WHERE user_id = %(user)s AND batch = %(batch)s AND sent_at IS NULL
+WITH clock AS (
+    SELECT {NOW} AS now
+), sent AS (
+    SELECT * FROM unnest(%(users)s::text[], %(batches)s::bigint[], %(tokens)s::bigint[])
+                  AS k(user_id, batch, token)
+), marked AS (
+    UPDATE deliveries d
+       SET batch = NULL, sending_until = NULL, attempts = 0, last_error = NULL,
+           last_sent_at = clock.now,
+           due_at = CASE WHEN d.due_at < d.sending_until
+                           OR EXISTS (SELECT 1 FROM outbox o
+                                       WHERE o.user_id = d.user_id AND o.sent_at IS NULL
+                                         AND o.failed_at IS NULL AND o.urgent
+                                         AND o.batch IS DISTINCT FROM k.batch)
+                         THEN clock.now ELSE clock.now + %(gap)s END
+      FROM sent k, clock
+     WHERE d.user_id = k.user_id AND d.batch = k.batch AND d.send_token = k.token
+ RETURNING d.user_id, k.batch
+), rows_sent AS (
+    UPDATE outbox o SET sent_at = clock.now
+      FROM marked m, clock
+     WHERE o.user_id = m.user_id AND o.batch = m.batch AND o.sent_at IS NULL
+)
+SELECT user_id, batch FROM marked
+"""
+
+# Failed sends, fenced like MARK_SENT: the batch is retried after a backoff
+# (base * 2^(failures - 1), capped, scaled by a random factor in [0.5, 1]), or
+# parked `failed` once it has failed max_attempts times or the channel said it
+# never can succeed; then the user's later messages are due now.
+_PARKS = "(k.permanent OR d.attempts + 1 >= %(max_attempts)s)"
+RECORD_FAILED = f"""
+WITH clock AS (
+    SELECT {NOW} AS now
+), failed AS (
+    SELECT * FROM unnest(%(users)s::text[], %(batches)s::bigint[], %(tokens)s::bigint[],
+                         %(errors)s::text[], %(permanent)s::boolean[])
+                  AS k(user_id, batch, token, error, permanent)
+), recorded AS (
+    UPDATE deliveries d
+       SET attempts = CASE WHEN {_PARKS} THEN 0 ELSE d.attempts + 1 END,
+           batch = CASE WHEN {_PARKS} THEN NULL ELSE d.batch END,
+           due_at = CASE WHEN {_PARKS} THEN clock.now
+                         ELSE clock.now + floor(least(%(backoff_cap)s::float8,
+                                                      %(backoff_base)s * 2 ^ d.attempts)
+                                                * (0.5 + random() / 2))::bigint END,
+           sending_until = NULL, last_error = k.error
+      FROM failed k, clock
+     WHERE d.user_id = k.user_id AND d.batch = k.batch AND d.send_token = k.token
+ RETURNING d.user_id, k.batch, k.error, d.batch IS NULL AS parked
+), parked_rows AS (
+    UPDATE outbox o SET failed_at = clock.now, error = r.error
+      FROM recorded r, clock
+     WHERE r.parked AND o.user_id = r.user_id AND o.batch = r.batch AND o.sent_at IS NULL
+)
+SELECT user_id, batch, parked FROM recorded
 """
 
 
-@contextlib.contextmanager
-def user_lock(conn, user: str) -> Iterator[bool]:
-    """Hold the user's dispatch lock for the block if it is free; yields whether
-    it was taken. A broken connection has released it already."""
-    taken = conn.execute(TRY_LOCK_USER, {"user": user}).fetchone()[0]
-    try:
-        yield taken
-    finally:
-        if taken and not conn.broken:
-            conn.execute(UNLOCK_USER, {"user": user})
+@dataclass(frozen=True)
+class Failure:
+    batch: Batch
+    error: str
+    permanent: bool
 
 
-def choose_batch(conn, user: str, gap: int, now: int | None) -> tuple[int, list[int], list[str]] | None:
-    """(batch, ids, bodies) to send now, written down; None if nothing is due.
-    Call while holding the user's lock."""
-    rows = conn.execute(UNFINISHED_BATCH, {"user": user}).fetchall()
-    if not rows:
-        rows = sorted(conn.execute(NEW_BATCH, {"user": user, "gap": gap, "now": now}).fetchall())
-    if not rows:
-        return None
-    return rows[0][2], [r[0] for r in rows], [r[1] for r in rows]
+def _keys(batches: list[Batch]) -> dict:
+    return {"users": [b.user for b in batches], "batches": [b.batch for b in batches],
+            "tokens": [b.token for b in batches]}
 
 
-def mark_sent(conn, user: str, batch: int, now: int | None) -> None:
-    conn.execute(MARK_SENT, {"user": user, "batch": batch, "now": now})
+def mark_sent(conn, batches: list[Batch], *, gap: int, now: int | None) -> set[tuple[str, int]]:
+    """The (user, batch) marked sent; a batch missing was taken over (its claim
+    ran out and another dispatcher claimed it again)."""
+    params = {**_keys(batches), "gap": gap, "now": now}
+    return {tuple(row) for row in conn.execute(MARK_SENT, params).fetchall()}
 
 
-# Spans users (the dispatcher's scan): users holding messages whose send is due
-# (gap passed, an urgent message, or an unfinished batch).
-USERS_DUE = f"""
-WITH clock AS (SELECT {NOW} AS now)
-SELECT h.user_id
-  FROM (SELECT user_id, bool_or(urgent OR batch IS NOT NULL) AS now_or_never FROM outbox
-         WHERE sent_at IS NULL GROUP BY user_id) h, clock
- WHERE h.now_or_never
-    OR NOT EXISTS (SELECT 1 FROM outbox s
-                    WHERE s.user_id = h.user_id AND s.sent_at > clock.now - %(gap)s)
- ORDER BY h.user_id
- LIMIT %(limit)s
+def record_failed(conn, failures: list[Failure], *, max_attempts: int, backoff_base: float,
+                  backoff_cap: float, now: int | None) -> dict[tuple[str, int], bool]:
+    """{(user, batch): parked} for the failures recorded (the others were taken over)."""
+    params = {**_keys([f.batch for f in failures]), "errors": [f.error for f in failures],
+              "permanent": [f.permanent for f in failures], "max_attempts": max_attempts,
+              "backoff_base": backoff_base, "backoff_cap": backoff_cap, "now": now}
+    return {(user, batch): parked
+            for user, batch, parked in conn.execute(RECORD_FAILED, params).fetchall()}
+
+
+# Spans users (the dispatcher's sleep): seconds until the next user is due.
+NEXT_DUE = f"""
+SELECT greatest(0, min(due_at) - {NOW}) FROM deliveries WHERE due_at IS NOT NULL
 """
 
 
-def users_due(conn, gap: int, now: int | None, limit: int) -> list[str]:
-    rows = conn.execute(USERS_DUE, {"gap": gap, "now": now, "limit": limit}).fetchall()
-    return [r[0] for r in rows]
+def seconds_to_next_due(conn, now: int | None) -> int | None:
+    return conn.execute(NEXT_DUE, {"now": now}).fetchone()[0]
 
 
+# Spans users (a dispatcher, once a minute): users holding messages that no
+# delivery row makes due, as rows queued by a worker older than the delivery
+# table leave them (a rolling upgrade). Reads every held row: for that rare pass.
+ADOPT_HELD = f"""
+INSERT INTO deliveries AS d (user_id, due_at)
+SELECT DISTINCT o.user_id, {NOW} FROM outbox o
+ WHERE o.sent_at IS NULL AND o.failed_at IS NULL
+   AND NOT EXISTS (SELECT 1 FROM deliveries x WHERE x.user_id = o.user_id AND x.due_at IS NOT NULL)
+ ORDER BY 1
+    ON CONFLICT (user_id) DO UPDATE SET due_at = least(d.due_at, excluded.due_at)
+"""
+
+
+def adopt_held(conn, now: int | None) -> int:
+    return conn.execute(ADOPT_HELD, {"now": now}).rowcount
+
+
+# A user's messages; a held row in a batch that is being retried shows the
+# batch's last error.
 LIST = """
-SELECT id, body, created, sent_at FROM outbox WHERE user_id = %(user)s ORDER BY id
+SELECT o.id, o.body, o.created, o.sent_at, o.failed_at,
+       coalesce(o.error, CASE WHEN o.sent_at IS NULL AND o.batch = d.batch
+                              THEN d.last_error END) AS error,
+       o.batch
+  FROM outbox o LEFT JOIN deliveries d ON d.user_id = o.user_id
+ WHERE o.user_id = %(user)s ORDER BY o.id
 """
 
 
