@@ -97,6 +97,7 @@ def test_a_row_that_fails_the_set_based_firing_is_parked_and_the_others_fire(
     assert parked_count() - before == 1
     assert inbox.run_scheduler(now=T) == 0
     assert inbox.run_scheduler(now=T + 60) == 2              # the good ones go on; it stays parked
+    assert parked_count() - before == 1
 
     inbox.add_timer("u", "overflow", T + 60, {}, every=3600)
     assert parked(inbox, "u") == {}
