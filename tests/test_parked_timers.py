@@ -34,7 +34,10 @@ def fired_ids(inbox, user):
 
 
 def parked(inbox, user):
-    return {t.timer_id: t.error for t in inbox.timers(user) if t.parked_at is not None}
+    """{timer_id: error} of the user's parked timers (done until replaced)."""
+    found = {t.timer_id: t.error for t in inbox.timers(user) if t.parked_at is not None}
+    assert all(t.done for t in inbox.timers(user) if t.timer_id in found)
+    return found
 
 
 def test_a_cron_timer_that_raises_is_parked_and_the_others_fire(
@@ -107,7 +110,7 @@ def test_a_row_that_fails_the_set_based_firing_is_parked_and_the_others_fire(
 def test_re_arming_an_approval_clears_its_parked_expiry(database_url, inbox):
     inbox.request_approval("u", "deploy", expires_in=60, action={}, now=T)
     with psycopg.connect(database_url) as conn:
-        conn.execute("UPDATE timers SET parked_at = %s, error = 'boom'", (T,))
+        conn.execute("UPDATE timers SET done = true, parked_at = %s, error = 'boom'", (T,))
     assert inbox.run_scheduler(now=T + 60) == 0
     inbox.request_approval("u", "deploy", expires_in=60, action={}, now=T + 60)
     assert parked(inbox, "u") == {}

@@ -57,7 +57,7 @@ class Timer:
     timezone: str | None = None
     missed: str = "coalesce"
     catch_up_limit: int = 100
-    parked_at: int | None = None  # set when firing it raised: skipped until replaced
+    parked_at: int | None = None  # set when firing it raised: done until replaced
     error: str | None = None      # what raised
 
 

@@ -251,7 +251,7 @@ SELECT t.timer_id, t.due, t.every, t.cron, t.timezone, t.missed, t.catch_up_limi
        t.due - clock.now AS due_in, count(*) OVER () AS total
   FROM timers t, clock
  WHERE t.user_id = %(user)s
- ORDER BY t.done, t.due, t.timer_id
+ ORDER BY t.done AND t.parked_at IS NULL, t.due, t.timer_id
  LIMIT %(limit)s
 """
 

@@ -10,9 +10,10 @@ due time stays on the schedule. Many schedulers may run at once: due rows are
 taken with FOR UPDATE SKIP LOCKED.
 
 A timer whose firing raises because of its own row (a time zone this host
-cannot load, a next due time past a bigint) is parked: `parked_at` and `error`
-are set in the batch's transaction, the batch's other timers fire, and every
-scan skips it until the timer is replaced (UPSERT clears both).
+cannot load, a next due time past a bigint) is parked: `done`, `parked_at` and
+`error` are set in the batch's transaction and the batch's other timers fire.
+Being done, it is in no scan (ix_timers_due holds only rows not done) until the
+timer is replaced (UPSERT re-arms it and clears both).
 """
 
 import json
@@ -73,11 +74,11 @@ _ROW_ERRORS = (psycopg.DataError, psycopg.IntegrityError)
 
 
 def _ripe(columns: str, kind: str, pick: str = "ORDER BY t.due LIMIT %(limit)s") -> str:
-    """Due timers that are not parked (`kind`: 'NULL' for one-off and `every`
-    timers, 'NOT NULL' for cron), locked, skipping those another scheduler holds."""
+    """Due timers (`kind`: 'NULL' for one-off and `every` timers, 'NOT NULL'
+    for cron), locked, skipping those another scheduler holds."""
     return f"""SELECT {columns}
       FROM timers t, clock
-     WHERE NOT t.done AND t.parked_at IS NULL AND t.due <= clock.now AND t.cron IS {kind}
+     WHERE NOT t.done AND t.due <= clock.now AND t.cron IS {kind}
      {pick}
        FOR UPDATE OF t SKIP LOCKED"""
 
@@ -142,7 +143,7 @@ FIRE_ONE = _fire_sql("AND t.user_id = %(user)s AND t.timer_id = %(timer_id)s")
 RIPE_ONE_OFF = f"WITH clock AS (SELECT {NOW} AS now)\n" + _ripe("t.user_id, t.timer_id", "NULL")
 
 PARK = f"""
-UPDATE timers SET parked_at = {NOW}, error = %(error)s
+UPDATE timers SET done = true, parked_at = {NOW}, error = %(error)s
  WHERE user_id = %(user)s AND timer_id = %(timer_id)s
 """
 
@@ -252,16 +253,14 @@ def fire_due_cron(conn, now: int | None, limit: int) -> Batch:
     return Batch(len(ripe) - len(parked), skipped, parked)
 
 
-# Spans users (the scheduler's sleep): whether a due timer is left that is not
-# parked (after a pass that took every timer it could: one another scheduler
-# holds, or one that fell due since), and the seconds until the next one falls
-# due after now. Two index lookups on ix_timers_due.
+# Spans users (the scheduler's sleep): whether a due timer is left (after a
+# pass that took every timer it could: one another scheduler holds, or one that
+# fell due since), and the seconds until the next one falls due after now. Two
+# lookups on ix_timers_due.
 NEXT_DUE = f"""
 WITH clock AS (SELECT {NOW} AS now)
-SELECT EXISTS (SELECT FROM timers t
-                WHERE NOT t.done AND t.parked_at IS NULL AND t.due <= clock.now),
-       (SELECT min(t.due) FROM timers t
-         WHERE NOT t.done AND t.parked_at IS NULL AND t.due > clock.now) - clock.now
+SELECT EXISTS (SELECT FROM timers t WHERE NOT t.done AND t.due <= clock.now),
+       (SELECT min(t.due) FROM timers t WHERE NOT t.done AND t.due > clock.now) - clock.now
   FROM clock
 """
 
