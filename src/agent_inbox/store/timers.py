@@ -72,8 +72,11 @@ class Batch(NamedTuple):
 # (connection, lock or statement timeout, serialization) fails the pass.
 _ROW_ERRORS = (psycopg.DataError, psycopg.IntegrityError)
 
+# A scan's batch: the oldest due first.
+_OLDEST = "ORDER BY t.due LIMIT %(limit)s"
 
-def _ripe(columns: str, kind: str, pick: str = "ORDER BY t.due LIMIT %(limit)s") -> str:
+
+def _ripe(columns: str, kind: str, pick: str = _OLDEST) -> str:
     """Due timers (`kind`: 'NULL' for one-off and `every` timers, 'NOT NULL'
     for cron), locked, skipping those another scheduler holds."""
     return f"""SELECT {columns}
@@ -136,7 +139,7 @@ SELECT count(*),
 
 # Spans users (the scheduler's scan): one batch of due one-off and `every`
 # timers, oldest first, set-based.
-FIRE_DUE = _fire_sql("ORDER BY t.due LIMIT %(limit)s")
+FIRE_DUE = _fire_sql(_OLDEST)
 # The same for one timer: a batch whose FIRE_DUE failed goes again row by row.
 FIRE_ONE = _fire_sql("AND t.user_id = %(user)s AND t.timer_id = %(timer_id)s")
 # Spans users: the timers FIRE_DUE would take, locked.
@@ -169,7 +172,7 @@ def fire_due_batch(conn, now: int | None, limit: int) -> Batch:
         with conn.transaction():
             return Batch(*fire_due(conn, now, limit), [])
     except _ROW_ERRORS:
-        pass
+        pass  # a row's data failed the statement: the batch again, one timer at a time
     fired = skipped = 0
     parked = []
     for user, timer_id in conn.execute(RIPE_ONE_OFF, {"now": now, "limit": limit}).fetchall():
