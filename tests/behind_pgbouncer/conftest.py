@@ -1,0 +1,50 @@
+"""The tests of this folder reach PostgreSQL through a PgBouncer of their own in
+`pool_mode = transaction` (tests/pgbouncer.py), in front of the test server.
+
+`bouncer` is one PgBouncer per test module, with the module's POOL_SIZE server
+connections per database (default 4); `bounced_url` is the test's database
+through it. `inbox` and `make_inbox` override tests/conftest.py's: the code
+under test goes through PgBouncer with pooler="transaction", while the tests'
+own probes (lock holders, pg_stat_activity, result queries) use `database_url`,
+the direct connection, so they take none of the pool's few server connections.
+"""
+
+import contextlib
+
+import pytest
+
+from agent_inbox import Inbox
+from tests import pgbouncer
+from tests.runtime.conftest import spawn  # noqa: F401 -- the fleet test's processes
+
+DEFAULT_POOL_SIZE = 4
+
+
+@pytest.fixture(scope="module")
+def bouncer(server_url, request):
+    if not pgbouncer.available():
+        pytest.skip("no pgbouncer binary (Debian package pgbouncer; .ci/run installs it)")
+    with pgbouncer.PgBouncer(server_url, pool_size=getattr(request.module, "POOL_SIZE",
+                                                           DEFAULT_POOL_SIZE)) as running:
+        yield running
+
+
+@pytest.fixture
+def bounced_url(bouncer, database_url):
+    return bouncer.url(database_url)
+
+
+@pytest.fixture
+def inbox(bounced_url):
+    with Inbox.connect(bounced_url, pool_size=4, pooler="transaction") as opened:
+        yield opened
+
+
+@pytest.fixture
+def make_inbox(bounced_url):
+    with contextlib.ExitStack() as stack:
+        def make(**options) -> Inbox:
+            options.setdefault("pool_size", 1)
+            return stack.enter_context(Inbox.connect(bounced_url, pooler="transaction", **options))
+
+        yield make
