@@ -103,7 +103,7 @@ def test_status_counts_match_the_inbox(capsys, database_url, world):
         == ("w-bob", 1, T + TTL, TTL - 10)
     assert report["now"] == T + 10
     assert report["totals"] == {"users": 4, "pending": 4, "running": 1, "dead": 3,
-                                "outbox_held": 1}
+                                "outbox_held": 1, "outbox_failed": 0}
 
     limited = run_json(capsys, database_url, "status", "--limit", "2")
     assert [u["user"] for u in limited["users"]] == ["alice", "bob"]
@@ -112,11 +112,11 @@ def test_status_counts_match_the_inbox(capsys, database_url, world):
     code, out, err = run_cli(capsys, database_url, "status", "--now", str(T + 10))
     assert code == 0 and err == ""
     lines = out.splitlines()
-    assert lines[0].split() == ["user", "pending", "running", "dead", "outbox", "held", "lease",
-                                "holder", "gen", "lease", "expires"]
-    assert lines[3].split()[:7] == ["bob", "1", "1", "0", "0", "w-bob", "1"]
+    assert lines[0].split() == ["user", "pending", "running", "dead", "outbox", "held", "outbox",
+                                "failed", "lease", "holder", "gen", "lease", "expires"]
+    assert lines[3].split()[:8] == ["bob", "1", "1", "0", "0", "0", "w-bob", "1"]
     assert "in 1m 50s (1970-01-12T13:48:40Z)" in lines[3]
-    assert lines[-1] == "total: 4 users, 4 pending, 1 running, 3 dead, 1 outbox held"
+    assert lines[-1] == "total: 4 users, 4 pending, 1 running, 3 dead, 1 outbox held, 0 outbox failed"
     code, out, _ = run_cli(capsys, database_url, "status", "--limit", "1")
     assert "(showing the 1 busiest of 4 users: --limit)" in out
 

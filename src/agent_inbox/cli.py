@@ -184,10 +184,15 @@ def cmd_dispatcher(args: argparse.Namespace) -> int:
     from agent_inbox.dispatcher import Dispatcher
     from agent_inbox.service import Stop
 
-    channel = handler.load(args.channel)
+    channel = handler.load(args.channel, what="channel")
+    if args.concurrency < 1:
+        raise errors.InvalidInput("--concurrency", args.concurrency, "must be at least 1")
     stop = Stop().install()
-    with open_service_inbox(args, 2, outbox_gap=args.outbox_gap) as inbox:
-        Dispatcher(inbox, channel, poll_interval=args.poll_interval,
+    # one connection claims and records, one scans; sends hold none
+    with open_service_inbox(args, 2, outbox_gap=args.outbox_gap, send_timeout=args.send_timeout,
+                            max_send_attempts=args.max_send_attempts,
+                            send_backoff=args.send_backoff) as inbox:
+        Dispatcher(inbox, channel, concurrency=args.concurrency, poll_interval=args.poll_interval,
                    at_most_once=args.at_most_once, stop=stop).serve(listen_url(args))
     return 0
 
@@ -261,6 +266,19 @@ def build_parser() -> argparse.ArgumentParser:
                             help="module:function called as send(user, text, key)")
     dispatcher.add_argument("--outbox-gap", type=int, default=env_default("outbox-gap", 3600),
                             help="seconds between sends to one user (default 3600)")
+    dispatcher.add_argument("--concurrency", type=int, default=env_default("concurrency", 16),
+                            help="users' batches sent at once, each on a thread with no database "
+                                 "connection held (default 16)")
+    dispatcher.add_argument("--send-timeout", type=int, default=env_default("send-timeout", 120),
+                            help="seconds a send may take before another dispatcher sends its "
+                                 "batch again under the same key (default 120; keep the "
+                                 "channel's own timeout below it)")
+    dispatcher.add_argument("--max-send-attempts", type=int,
+                            default=env_default("max-send-attempts", 10),
+                            help="failed sends before a batch is parked failed (default 10)")
+    dispatcher.add_argument("--send-backoff", type=int, default=env_default("send-backoff", 5),
+                            help="seconds before a failed batch is retried, doubling per "
+                                 "failure up to 300, jittered (default 5)")
     dispatcher.add_argument("--at-most-once", action="store_true",
                             default=env_flag("at-most-once"),
                             help="mark a batch sent before sending it (a crash loses it) instead "

@@ -85,19 +85,19 @@ class Context:
     lease_lost: LeaseLost = field(default_factory=LeaseLost)
 
 
-def load(reference: str) -> Callable:
-    """`module:function` to the callable it names."""
+def load(reference: str, *, what: str = "handler") -> Callable:
+    """`module:function` to the callable it names (a handler, or `what` else)."""
     module_name, _, attribute = reference.partition(":")
     if not module_name or not attribute:
-        raise errors.InvalidInput("handler", reference, "must look like module:function")
+        raise errors.InvalidInput(what, reference, "must look like module:function")
     try:
         target = importlib.import_module(module_name)
         for part in attribute.split("."):
             target = getattr(target, part)
-    except (ImportError, AttributeError) as exc:
-        raise errors.InvalidInput("handler", reference, f"cannot be loaded: {exc}") from None
+    except Exception as exc:  # an import that fails in any way is a reference that cannot load
+        raise errors.InvalidInput(what, reference, f"cannot be loaded: {exc}") from None
     if not callable(target):
-        raise errors.InvalidInput("handler", reference, "is not callable")
+        raise errors.InvalidInput(what, reference, "is not callable")
     return target
 
 

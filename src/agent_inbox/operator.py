@@ -1,11 +1,12 @@
 """Operator commands: `agent-inbox status`, `events`, `dead list|requeue|discard`,
-`timers` and `approve`.
+`outbox failed|retry|discard`, `timers` and `approve`.
 
 Each prints a readable table, or with `--json` one JSON document on stdout for
 scripts (times as epoch seconds). Progress, audit lines and errors go to stderr.
 
-Exit codes: 0 done; 1 some ids given to `dead requeue` or `dead discard` were
-not dead events (they are listed and left alone); 2 bad input, or no usable
+Exit codes: 0 done; 1 some ids given to `dead requeue|discard` were not dead
+events, or to `outbox retry|discard` not failed batches (they are listed and
+left alone); 2 bad input, or no usable
 database (nothing changed); 3 `approve` named a request never made.
 """
 
@@ -21,7 +22,7 @@ import time
 
 from agent_inbox import cli, db, errors, tables
 from agent_inbox.records import EVENT_STATUSES
-from agent_inbox.store import admin
+from agent_inbox.store import admin, outbox
 
 log = logging.getLogger(__name__)
 
@@ -140,6 +141,29 @@ def add_parsers(commands) -> None:
     discard.add_argument("--user", type=_text, help="only events of this user")
     discard.set_defaults(run=cmd_dead_discard)
 
+    sends = commands.add_parser("outbox", help="list, retry or discard outbox batches that failed",
+                                description="Outbox batches parked failed: sent too many times "
+                                            "without success, or refused by the channel for good.")
+    send_commands = sends.add_subparsers(dest="outbox_command", required=True,
+                                         metavar="{failed,retry,discard}")
+    failed = _parser(send_commands, "failed", "failed batches across users, newest first")
+    failed.add_argument("--user", type=_text, help="only this user's")
+    _add_limit(failed, "batches")
+    failed.set_defaults(run=cmd_outbox_failed)
+    for verb, run, text in (
+            ("retry", cmd_outbox_retry,
+             "send failed batches again, under the same key, before the user's newer messages"),
+            ("discard", cmd_outbox_discard,
+             "delete failed batches (their bodies are kept in the audit record)")):
+        repair = _parser(send_commands, verb, text,
+                         f"{text[0].upper()}{text[1:]}. Only failed batches change: other ids are "
+                         "listed with what they are and left alone (exit 1). Recorded in the "
+                         "audit table.")
+        repair.add_argument("ids", metavar="ID", nargs="+", type=_positive,
+                            help="batch ids (the number after ':' in a batch key)")
+        _add_now(repair)
+        repair.set_defaults(run=run)
+
     timers = _parser(commands, "timers", "a user's timers, the next to fire first")
     timers.add_argument("--user", type=_text, required=True)
     _add_limit(timers, "timers")
@@ -226,13 +250,15 @@ def cmd_status(args: argparse.Namespace, name: str) -> int:
         report = admin.status(conn, args.limit, args.now)
     now, users, totals = report["now"], report["users"], report["totals"]
     rows = [[u["user"], u["pending"], u["running"], u["dead"], u["outbox_held"],
-             u["lease_holder"], u["lease_gen"] or None, _lease_expiry(u)] for u in users]
-    lines = [tables.format_table(["user", "pending", "running", "dead", "outbox held", "lease holder",
-                           "gen", "lease expires"], rows)] if users else [
+             u["outbox_failed"], u["lease_holder"], u["lease_gen"] or None, _lease_expiry(u)]
+            for u in users]
+    lines = [tables.format_table(["user", "pending", "running", "dead", "outbox held",
+                                  "outbox failed", "lease holder", "gen", "lease expires"],
+                                 rows)] if users else [
         "no user has pending, running or dead events, held messages or a lease"]
     lines.append(f"total: {totals['users']} users, {totals['pending']} pending, "
                  f"{totals['running']} running, {totals['dead']} dead, "
-                 f"{totals['outbox_held']} outbox held")
+                 f"{totals['outbox_held']} outbox held, {totals['outbox_failed']} outbox failed")
     if len(users) < totals["users"]:
         lines.append(f"(showing the {len(users)} busiest of {totals['users']} users: --limit)")
     _emit(args, {"now": now, "users": users, "totals": totals}, "\n".join(lines))
@@ -369,6 +395,61 @@ def cmd_audit(args: argparse.Namespace, name: str) -> int:
           json.dumps(r["detail"], sort_keys=True)] for r in rows]) if rows else "no recorded actions"
     _emit(args, {"actions": rows}, text)
     return 0
+
+
+@_command("outbox-failed")
+def cmd_outbox_failed(args: argparse.Namespace, name: str) -> int:
+    with _opened(args, name) as inbox, db.connection(inbox.pool) as conn:
+        batches, total = outbox.failed_batches(conn, args.user, args.limit)
+    rows = [[b["user"], b["batch"], b["messages"], tables.when(b["failed_at"]), b["error"]]
+            for b in batches]
+    text = (tables.format_table(["user", "batch", "messages", "failed", "error"], rows)
+            if batches else "no failed batches" + (f" for user {args.user!r}" if args.user else ""))
+    if len(batches) < total:
+        text += f"\n(showing the newest {len(batches)} of {total} failed batches: --limit)"
+    _emit(args, {"user": args.user, "total": total, "batches": batches}, text)
+    return 0
+
+
+@_command("outbox-retry")
+def cmd_outbox_retry(args: argparse.Namespace, name: str) -> int:
+    return _repair_batches(args, name, retry=True, done_word="retried")
+
+
+@_command("outbox-discard")
+def cmd_outbox_discard(args: argparse.Namespace, name: str) -> int:
+    return _repair_batches(args, name, retry=False, done_word="discarded")
+
+
+def _repair_batches(args: argparse.Namespace, name: str, *, retry: bool, done_word: str) -> int:
+    """Retry or discard the failed batches among the ids, in one transaction
+    (recorded in operator_actions); the others are listed as what they are."""
+    ids = sorted(set(args.ids))
+    with _opened(args, name) as inbox:
+        with db.transaction(inbox.pool) as conn:
+            done = outbox.repair_failed(conn, ids, retry=retry, actor=_actor(), now=args.now)
+        done_ids = {row["batch"] for row in done}
+        with db.connection(inbox.pool) as conn:
+            states = outbox.batch_states(conn, [i for i in ids if i not in done_ids])
+    left = [{"batch": i, "reason": f"not failed: {states[i]}" if i in states else "no such batch"}
+            for i in ids if i not in done_ids]
+    for row in done:
+        print(f"agent-inbox audit: outbox {'retry' if retry else 'discard'} by {_actor()}: "
+              f"user={row['user']!r} batch={row['batch']} messages={row['messages']} "
+              f"error={row['error']!r}", file=sys.stderr, flush=True)
+    lines = []
+    if done:
+        lines += [f"{done_word} {len(done)} failed batches:",
+                  tables.format_table(["user", "batch", "messages", "error"],
+                                      [[r["user"], r["batch"], r["messages"], r["error"]]
+                                       for r in done])]
+    if left:
+        lines += [f"not {done_word} (left alone):",
+                  tables.format_table(["batch", "reason"], [[x["batch"], x["reason"]] for x in left])]
+    lines.append(f"{done_word} {len(done)} of {len(ids)} ids; {len(left)} not {done_word}")
+    _emit(args, {"requested": len(ids), done_word: done, f"not_{done_word}": left},
+          "\n".join(lines))
+    return EXIT_NOT_ALL if left else 0
 
 
 @_command("timers")

@@ -18,7 +18,7 @@ from agent_inbox.store import notify
 from agent_inbox.store.clock import NOW
 
 # Spans users (operator view): every user with pending, running or dead events,
-# held outbox messages or a lease still valid, busiest first. The totals count
+# held or failed outbox messages or a lease still valid, busiest first. The totals count
 # every such user, not only the page shown; one row (user NULL) if there are none.
 STATUS = f"""
 WITH clock AS (
@@ -32,7 +32,9 @@ WITH clock AS (
      WHERE status IN ('pending', 'running', 'dead')
      GROUP BY user_id
 ), held AS (
-    SELECT user_id, count(*) AS held FROM outbox WHERE sent_at IS NULL GROUP BY user_id
+    SELECT user_id, count(*) FILTER (WHERE failed_at IS NULL) AS held,
+           count(*) FILTER (WHERE failed_at IS NOT NULL) AS failed
+      FROM outbox WHERE sent_at IS NULL GROUP BY user_id
 ), shown AS (
     SELECT user_id FROM counts
      UNION
@@ -43,6 +45,7 @@ WITH clock AS (
     SELECT s.user_id,
            coalesce(c.pending, 0) AS pending, coalesce(c.running, 0) AS running,
            coalesce(c.dead, 0) AS dead, coalesce(h.held, 0) AS outbox_held,
+           coalesce(h.failed, 0) AS outbox_failed,
            nullif(l.holder, '') AS holder, l.gen, l.until
       FROM shown s
       LEFT JOIN counts c ON c.user_id = s.user_id
@@ -54,7 +57,8 @@ WITH clock AS (
            (sum(p.pending) OVER ())::bigint AS pending_total,
            (sum(p.running) OVER ())::bigint AS running_total,
            (sum(p.dead) OVER ())::bigint AS dead_total,
-           (sum(p.outbox_held) OVER ())::bigint AS outbox_held_total
+           (sum(p.outbox_held) OVER ())::bigint AS outbox_held_total,
+           (sum(p.outbox_failed) OVER ())::bigint AS outbox_failed_total
       FROM per_user p
      ORDER BY p.pending DESC, p.running DESC, p.dead DESC, p.user_id
      LIMIT %(limit)s
@@ -64,7 +68,7 @@ SELECT clock.now, page.*
  ORDER BY page.pending DESC, page.running DESC, page.dead DESC, page.user_id
 """
 
-_TOTALS = ("users", "pending", "running", "dead", "outbox_held")
+_TOTALS = ("users", "pending", "running", "dead", "outbox_held", "outbox_failed")
 
 
 def status(conn, limit: int, now: int | None) -> dict:
@@ -72,7 +76,8 @@ def status(conn, limit: int, now: int | None) -> dict:
     with conn.cursor(row_factory=dict_row) as cur:
         rows = cur.execute(STATUS, {"limit": limit, "now": now}).fetchall()
     users = [{"user": r["user_id"], "pending": r["pending"], "running": r["running"],
-              "dead": r["dead"], "outbox_held": r["outbox_held"], "lease_holder": r["holder"],
+              "dead": r["dead"], "outbox_held": r["outbox_held"],
+              "outbox_failed": r["outbox_failed"], "lease_holder": r["holder"],
               "lease_gen": r["gen"], "lease_until": r["until"],
               "lease_expires_in": None if r["until"] is None else r["until"] - r["now"]}
              for r in rows if r["user_id"] is not None]

@@ -31,9 +31,10 @@ again after it. So a held message is never left with no dispatcher due to look.
 
 from dataclasses import dataclass
 
-from psycopg.rows import class_row
+from psycopg.rows import class_row, dict_row
 
 from agent_inbox.records import OutboxMessage
+from agent_inbox.store import notify
 from agent_inbox.store.clock import NOW
 
 # The users a dispatcher claims: due ones, longest due first, skipping rows
@@ -270,6 +271,121 @@ SELECT DISTINCT o.user_id, {NOW} FROM outbox o
 
 def adopt_held(conn, now: int | None) -> int:
     return conn.execute(ADOPT_HELD, {"now": now}).rowcount
+
+
+# Operator repairs of parked batches, by batch id (its first row's id, unique
+# across users). The users' delivery rows are locked first, in user order (as
+# every dispatcher path locks them before a user's rows); only batches still
+# failed once locked change, and each repair is recorded in operator_actions.
+# Finding a batch by id reads the held rows' index: for operators, not the run path.
+LOCK_FAILED = """
+SELECT d.user_id FROM deliveries d
+ WHERE d.user_id IN (SELECT o.user_id FROM outbox o
+                      WHERE o.batch = ANY(%(batches)s::bigint[])
+                        AND o.sent_at IS NULL AND o.failed_at IS NOT NULL)
+ ORDER BY d.user_id
+   FOR UPDATE OF d
+"""
+
+_FAILED_BATCHES = """target AS (
+    SELECT o.user_id, o.batch, count(*) AS messages, min(o.error) AS error,
+           min(o.failed_at) AS failed_at
+      FROM outbox o
+     WHERE o.batch = ANY(%(batches)s::bigint[]) AND o.user_id = ANY(%(users)s::text[])
+       AND o.sent_at IS NULL AND o.failed_at IS NOT NULL
+     GROUP BY o.user_id, o.batch
+)"""
+
+# Both repairs end here, after a CTE `extra(user_id, batch, detail)` of what
+# the record keeps beyond the batch's size, error and time.
+_RECORD_REPAIR = """recorded AS (
+    INSERT INTO operator_actions (user_id, actor, action, outbox_batch, detail)
+    SELECT t.user_id, %(actor)s, %(action)s, t.batch,
+           jsonb_build_object('messages', t.messages, 'error', t.error,
+                              'failed_at', t.failed_at) || x.detail
+      FROM target t JOIN extra x ON x.user_id = t.user_id AND x.batch = t.batch
+)
+SELECT user_id AS "user", batch, messages, error, failed_at FROM target ORDER BY user_id, batch
+"""
+
+# Retry: the batch is held again under its id and key; the user's delivery is
+# due now, and the batch goes before the user's newer messages.
+RETRY_FAILED = f"""
+WITH clock AS (
+    SELECT {NOW} AS now
+), {_FAILED_BATCHES}, unparked AS (
+    UPDATE outbox o SET failed_at = NULL, error = NULL
+      FROM target t
+     WHERE o.user_id = t.user_id AND o.batch = t.batch AND o.sent_at IS NULL
+), due AS (
+    UPDATE deliveries d SET due_at = least(d.due_at, clock.now)
+      FROM clock WHERE d.user_id IN (SELECT user_id FROM target)
+), extra AS (
+    SELECT user_id, batch, '{{}}'::jsonb AS detail FROM target
+), {_RECORD_REPAIR}"""
+
+# Discard: the batch's rows are deleted, their bodies kept in the record.
+DISCARD_FAILED = f"""
+WITH {_FAILED_BATCHES}, deleted AS (
+    DELETE FROM outbox o USING target t
+     WHERE o.user_id = t.user_id AND o.batch = t.batch AND o.sent_at IS NULL
+ RETURNING o.user_id, o.batch, o.id, o.body
+), extra AS (
+    SELECT user_id, batch, jsonb_build_object('bodies', jsonb_agg(body ORDER BY id)) AS detail
+      FROM deleted GROUP BY user_id, batch
+), {_RECORD_REPAIR}"""
+
+
+def repair_failed(conn, batches: list[int], *, retry: bool, actor: str,
+                  now: int | None) -> list[dict]:
+    """Retry (or discard) the failed batches among `batches`, in the caller's
+    transaction; the batches repaired, as they were."""
+    users = lock_failed(conn, batches)
+    params = {"batches": batches, "users": users, "actor": actor, "now": now,
+              "action": "outbox_retry" if retry else "outbox_discard"}
+    with conn.cursor(row_factory=dict_row) as cur:
+        rows = cur.execute(RETRY_FAILED if retry else DISCARD_FAILED, params).fetchall()
+    if rows and retry:
+        conn.execute(f"SELECT pg_notify('{notify.OUTBOX}', '')")
+    return rows
+
+
+def lock_failed(conn, batches: list[int]) -> list[str]:
+    return [u for u, in conn.execute(LOCK_FAILED, {"batches": batches}).fetchall()]
+
+
+# Operator view: what the named batches are now (sent, held or failed).
+BATCH_STATES = """
+SELECT batch, CASE WHEN bool_and(sent_at IS NOT NULL) THEN 'sent'
+                   WHEN bool_or(failed_at IS NOT NULL) THEN 'failed' ELSE 'held' END
+  FROM outbox WHERE batch = ANY(%(batches)s::bigint[]) GROUP BY batch
+"""
+
+
+def batch_states(conn, batches: list[int]) -> dict[int, str]:
+    return dict(conn.execute(BATCH_STATES, {"batches": batches}).fetchall())
+
+
+# Operator view (spans users unless one is named): parked batches, newest first.
+FAILED = """
+SELECT o.user_id AS "user", o.batch, count(*) AS messages, min(o.failed_at) AS failed_at,
+       min(o.error) AS error, count(*) OVER () AS total
+  FROM outbox o
+ WHERE o.sent_at IS NULL AND o.failed_at IS NOT NULL
+   AND (%(user)s::text IS NULL OR o.user_id = %(user)s)
+ GROUP BY o.user_id, o.batch
+ ORDER BY min(o.failed_at) DESC, o.batch DESC
+ LIMIT %(limit)s
+"""
+
+
+def failed_batches(conn, user: str | None, limit: int) -> tuple[list[dict], int]:
+    with conn.cursor(row_factory=dict_row) as cur:
+        rows = cur.execute(FAILED, {"user": user, "limit": limit}).fetchall()
+    total = rows[0].pop("total") if rows else 0
+    for row in rows[1:]:
+        row.pop("total")
+    return rows, total
 
 
 # A user's messages; a held row in a batch that is being retried shows the
