@@ -10,7 +10,7 @@ import pytest
 
 from agent_inbox import errors, migrate, revision
 
-TABLES = {"events", "leases", "timers", "outbox", "operator_actions", "deliveries"}
+TABLES = {"events", "leases", "timers", "outbox", "operator_actions", "deliveries", "wakes"}
 
 
 def _tables(url: str) -> set[str]:

@@ -82,6 +82,22 @@ leases = sa.Table(
     sa.CheckConstraint("gen >= 0", name="gen"),
 )
 
+# "Look at this user at `at`": what finding work walks (ix_wakes_at, due first),
+# so the open events of users whose lease is held are never read by a take.
+# Inserted by every path that can make a user takeable sooner (the events
+# trigger, finish with release, release, hand-back, requeue); deleted by the
+# take that looked at the user (store/inbox.py, TAKE_WORK) and by a finish with
+# release. Only inserted and deleted: an ingest never waits on a wake's lock.
+wakes = sa.Table(
+    "wakes",
+    metadata,
+    sa.Column("user_id", sa.Text, nullable=False),
+    sa.Column("id", sa.BigInteger, sa.Identity(always=True), nullable=False),
+    sa.Column("at", sa.BigInteger, nullable=False),
+    sa.PrimaryKeyConstraint("user_id", "id"),
+)
+sa.Index("ix_wakes_at", wakes.c.at, wakes.c.id)
+
 timers = sa.Table(
     "timers",
     metadata,
