@@ -9,7 +9,9 @@ it is), which parks it `failed` at once.
 with the key as the `Idempotency-Key` header, so the receiver can drop a repeat.
 Connection errors, timeouts, 408, 429 and 5xx answers are retried with
 exponential backoff (then ChannelError: the dispatcher retries later); any other
-4xx raises PermanentSendError (the request itself is wrong).
+4xx raises PermanentSendError (the request itself is wrong). A redirect is never
+followed (the body and the token would go to a host nobody configured, and a
+301-303 would turn the POST into a GET): a 3xx is a failed send at once.
 
     agent-inbox dispatcher --channel agent_inbox.channels:http_post
 """
@@ -29,6 +31,16 @@ class ChannelError(errors.AgentInboxError):
     """The channel did not accept the batch; it stays unsent."""
 
 
+class _RefuseRedirects(urllib.request.HTTPRedirectHandler):
+    """A 3xx comes back as the HTTPError it is, never as a request elsewhere."""
+
+    def redirect_request(self, req, fp, code, msg, headers, newurl):
+        return None
+
+
+_OPENER = urllib.request.build_opener(_RefuseRedirects)
+
+
 class HttpChannel:
     def __init__(self, url: str, *, timeout: float = 10.0, attempts: int = 4,
                  backoff: float = 0.5, token: str | None = None):
@@ -45,10 +57,15 @@ class HttpChannel:
         for attempt in range(1, self.attempts + 1):
             request = urllib.request.Request(self.url, data=body, headers=headers, method="POST")
             try:
-                with urllib.request.urlopen(request, timeout=self.timeout) as response:
+                with _OPENER.open(request, timeout=self.timeout) as response:
                     response.read()
                     return
             except urllib.error.HTTPError as exc:
+                if 300 <= exc.code < 400:
+                    raise ChannelError(
+                        f"{self.url} answered batch {key} with HTTP {exc.code}, a redirect to "
+                        f"{exc.headers.get('Location')!r}: not followed, the batch is not "
+                        f"sent") from None
                 if exc.code < 500 and exc.code not in (408, 429):
                     raise errors.PermanentSendError(
                         f"{self.url} refused batch {key}: HTTP {exc.code}") from None

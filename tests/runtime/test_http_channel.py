@@ -14,21 +14,27 @@ T = 1_000_000
 
 
 class Receiver:
-    """An HTTP server that answers with the scripted statuses, then 200."""
+    """An HTTP server that answers with the scripted statuses, then 200 (a 3xx
+    with a Location to `redirect_to`); it records every request, GETs too."""
 
-    def __init__(self, statuses=()):
+    def __init__(self, statuses=(), redirect_to=None):
         self.statuses = list(statuses)
         self.requests = []
         receiver = self
 
         class Handler(BaseHTTPRequestHandler):
             def do_POST(self):
-                body = self.rfile.read(int(self.headers["Content-Length"]))
-                receiver.requests.append((dict(self.headers), json.loads(body)))
+                length = int(self.headers.get("Content-Length") or 0)
+                body = self.rfile.read(length)
+                receiver.requests.append((dict(self.headers), json.loads(body) if body else None))
                 status = receiver.statuses.pop(0) if receiver.statuses else 200
                 self.send_response(status)
+                if redirect_to is not None:
+                    self.send_header("Location", redirect_to)
                 self.send_header("Content-Length", "0")
                 self.end_headers()
+
+            do_GET = do_PUT = do_POST
 
             def log_message(self, *args):
                 pass
@@ -46,8 +52,8 @@ class Receiver:
 def receiver():
     made = []
 
-    def make(statuses=()):
-        made.append(Receiver(statuses))
+    def make(statuses=(), redirect_to=None):
+        made.append(Receiver(statuses, redirect_to))
         return made[-1]
 
     yield make
@@ -92,6 +98,20 @@ def test_an_unreachable_receiver_fails_after_the_attempts(receiver):
     server.close()
     with pytest.raises(ChannelError, match="after 2 attempts"):
         HttpChannel(url, attempts=2, backoff=0.01, timeout=2)("alice", "hello", "alice:7")
+
+
+@pytest.mark.parametrize("status", [301, 302, 303, 307, 308])
+def test_a_redirect_is_never_followed_and_the_batch_is_not_sent(inbox, receiver, status):
+    elsewhere = receiver()
+    server = receiver([status] * 10, redirect_to=elsewhere.url)
+    with pytest.raises(ChannelError, match=f"HTTP {status}, a redirect to '{elsewhere.url}'"):
+        HttpChannel(server.url, token="s3cret", backoff=0.01)("alice", "hello", "alice:7")
+    assert len(server.requests) == 1                 # failed at once, not retried inside
+    queue_report(inbox, T)
+    Dispatcher(inbox, HttpChannel(server.url, token="s3cret")).run_once(now=T)
+    [held] = inbox.outbox("u")
+    assert held.sent_at is None and f"HTTP {status}" in held.error
+    assert elsewhere.requests == []                  # no header, no token went to the other host
 
 
 def queue_report(inbox, now):
