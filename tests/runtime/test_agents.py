@@ -129,6 +129,7 @@ def test_sigterm_with_many_runs_in_flight(database_url, inbox, spawn, tmp_path):
     with psycopg.connect(database_url, autocommit=True) as conn:   # its leases lapse
         conn.execute("UPDATE leases SET until = 0 WHERE holder = 'a-worker-that-died'")
         conn.execute("UPDATE events SET available_at = 0")
+        conn.execute("UPDATE wakes SET at = 1")  # its take's wakes, at each lease's end, pass
     inbox.ingest_many([(f"fresh{n:02}", "chat", "1", payload(f"fresh{n:02}", n % 2 == 0))
                        for n in range(30)])
     worker = spawn(*worker_args(database_url, "async_hold", "--concurrency", "40",

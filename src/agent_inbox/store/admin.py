@@ -166,6 +166,9 @@ WITH clock AS (
       FROM target t, clock
      WHERE e.user_id = t.user_id AND e.id = t.id
  RETURNING e.user_id, e.id, e.source, e.source_id, t.attempts, t.error
+), woke AS (  -- a take looks at the user (store/inbox.py, TAKE_WORK)
+    INSERT INTO wakes (user_id, at)
+    SELECT DISTINCT user_id, clock.now FROM requeued, clock ORDER BY user_id
 ), recorded AS (
     INSERT INTO operator_actions (user_id, at, actor, action, event_id, detail)
     SELECT user_id, clock.now, %(actor)s, 'requeue', id,

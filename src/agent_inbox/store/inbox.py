@@ -13,7 +13,7 @@ from psycopg.rows import class_row
 
 from agent_inbox.records import ClaimPolicy, Event
 from agent_inbox.store import notify
-from agent_inbox.store.clock import NOW
+from agent_inbox.store.clock import DB_CLOCK, NOW
 
 EVENT_COLUMNS = (
     'id, user_id AS "user", source, source_id, payload, status, attempts, error, claim_gen,'
@@ -151,36 +151,103 @@ def send_claim(conn, user: str, holder: str, gen: int, policy: ClaimPolicy, now:
     return conn.cursor(row_factory=class_row(Event)).execute(CLAIM, params)
 
 
+# An open event of the user `w.user_id` is claimable now (the claim's rule: a fresh
+# event at once, a retry once due).
+CLAIMABLE = """EXISTS (SELECT 1 FROM events e
+                WHERE e.user_id = w.user_id AND e.status IN ('pending', 'running')
+                  AND (e.attempts = 0 OR e.available_at <= clock.now))"""
+
+# How many wakes a take looks at beyond the users it takes (see TAKE_WORK).
+LOOK = 100
+
 # Spans users (finding work), then their claims, in one statement and one round
-# trip: up to %(users)s users, those whose oldest claimable event has waited
-# longest, among users whose lease is free or expired; lease rows other workers
-# are taking are skipped, never waited on; each chosen lease is taken over
-# (gen + 1) and its claim made. The scan locks as it goes, so it never comes back
-# empty while a free user has work; a user with many events may fill several of
-# the `users` rows, giving fewer users, never none. Only open events are read,
-# through ix_events_claimable, so the cost follows the work waiting, not the
-# number of idle users.
+# trip: up to %(users)s users whose lease is free or expired and who have a
+# claimable event, in the order of their wakes (table `wakes`, "look at this
+# user at `at`"): the user who has waited longest to be looked at comes first.
+# A wake is inserted when a user gets new events (at their arrival), when its
+# lease is released or given back (then) and, by the take itself, for the time
+# the state it saw next calls for: a taken user's lease end (a crashed worker's
+# user comes back when its lease expires), a held lease's end, a retry's due
+# time. So the order is today's "oldest claimable first" for new work and
+# retries, and a user whose run ended with work left waits behind the users
+# already waiting rather than in front of them (round robin between users with
+# backlogs). Only due wakes are read (ix_wakes_at), never the open events of
+# users whose lease is held: their wake is at their lease's end.
+#
+# Lease rows other workers are taking are skipped, never waited on; the scan
+# locks as it goes, so it never comes back empty while a free user with work has
+# a due wake; a user with several due wakes may fill several of the `users` rows,
+# giving fewer users, never none.
+#
+# Due wakes the pick read past whose user it cannot take (lease held, or no
+# claimable event: a stale wake) are looked at in the same statement (at most
+# LOOK; the rest by the next takes), so the scan does not degrade: each such
+# user gets the wake its state calls for, then its wakes are deleted.
+#
+# Invariant (a lost wake is an agent silently gone quiet): a user that can be
+# taken at time t has a wake at or before t. A take deletes only wakes its own
+# snapshot shows, of users whose lease row it has locked, in the statement that
+# inserts their next wake; whatever made a user takeable sooner after that
+# snapshot (new events, a release, a requeue) inserted its own wake, which this
+# take cannot see and so does not delete. Wakes are only inserted and deleted:
+# no writer ever waits for another on a wake. `due` is at least the database's
+# clock, because the trigger's wakes are on it while callers may pass `now`.
+#
+# The LIMIT is a sub-select, unknown to every plan alike: psycopg prepares the
+# statement after 5 uses, and PostgreSQL keeps re-planning it (about 2 ms, more
+# than the take) while the generic plan's estimate is well above a custom plan's,
+# which a known LIMIT made the case as soon as there were many wakes (W4b). Rows
+# are reached by key or TID (ANY(ARRAY(...))), so plans stay per-row whatever the
+# estimates.
 TAKE_WORK = f"""
 WITH clock AS (
-    SELECT {NOW} AS now
+    SELECT {NOW} AS now, greatest({NOW}, {DB_CLOCK}) AS due
 ), pick AS (
-    SELECT l.user_id, l.ctid AS lease, e.available_at, e.id
-      FROM events e JOIN leases l ON l.user_id = e.user_id, clock
-     WHERE e.status IN ('pending', 'running')
-       AND (e.attempts = 0 OR e.available_at <= clock.now)
-       AND l.until < clock.now
-     ORDER BY e.available_at, e.id
-     LIMIT %(users)s
+    SELECT w.user_id, l.ctid AS lease, w.at, w.id
+      FROM wakes w JOIN leases l ON l.user_id = w.user_id, clock
+     WHERE w.at <= (SELECT due FROM clock)  -- a bound of the index scan
+       AND l.until < clock.now AND {CLAIMABLE}
+     ORDER BY w.at, w.id
+     LIMIT (SELECT %(users)s::int)  -- see "The LIMIT" above
        FOR UPDATE OF l SKIP LOCKED
+), reach AS (  -- how far pick read: to its last wake if it took `users`, else every due wake
+    SELECT coalesce(last.at, clock.due) AS at, coalesce(last.id, 9223372036854775807) AS id
+      FROM clock LEFT JOIN (SELECT at, id FROM pick ORDER BY at DESC, id DESC LIMIT 1) last
+        ON (SELECT count(*) FROM pick) >= %(users)s
+), stale AS (  -- among the first LOOK wakes pick read past, those whose user it cannot take
+    SELECT w.user_id, l.until, clock.now
+      FROM clock, (SELECT user_id, at, id FROM wakes
+                    WHERE (at, id) < ((SELECT at FROM reach), (SELECT id FROM reach))
+                    ORDER BY at, id LIMIT {LOOK}) w
+      CROSS JOIN LATERAL (  -- each lease by key (LIMIT: never turned into a join)
+           SELECT l.until FROM leases l
+            WHERE l.user_id = w.user_id AND NOT (l.until < clock.now AND {CLAIMABLE})
+            LIMIT 1
+              FOR UPDATE OF l SKIP LOCKED) l
+), looked AS (  -- a held lease: its end; else the next retry; no open event: no wake
+    SELECT s.user_id,
+           CASE WHEN s.until >= s.now THEN s.until + 1
+                ELSE (SELECT min(e.available_at) FROM events e
+                       WHERE e.user_id = s.user_id AND e.status IN ('pending', 'running'))
+                END AS next_at
+      FROM (SELECT DISTINCT user_id, until, now FROM stale) s
 ), picked AS (
-    SELECT user_id, lease, min(available_at) AS waiting_since, min(id) AS first_id
+    SELECT user_id, lease, min(at) AS waiting_since, min(id) AS first_wake
       FROM pick GROUP BY user_id, lease
 ), took AS (
     UPDATE leases l
        SET holder = %(holder)s, gen = l.gen + 1, until = clock.now + %(ttl)s
-      FROM picked, clock
-     WHERE l.ctid = picked.lease  -- the row pick locked
- RETURNING l.user_id, l.gen, picked.waiting_since, picked.first_id
+      FROM clock
+     WHERE l.ctid = ANY(ARRAY(SELECT lease FROM picked))  -- the rows pick locked, by TID
+ RETURNING l.user_id, l.gen, l.until
+), woke AS (
+    INSERT INTO wakes (user_id, at)
+    SELECT user_id, until + 1 FROM took
+     UNION ALL
+    SELECT user_id, next_at FROM looked WHERE next_at IS NOT NULL
+), slept AS (  -- the wakes this snapshot shows of the users taken or looked at
+    DELETE FROM wakes w
+     WHERE w.user_id = ANY(ARRAY(SELECT user_id FROM took UNION ALL SELECT user_id FROM looked))
 ), run AS (
     SELECT took.user_id, took.gen, clock.now FROM took, clock
 ), {CLAIM_STEPS}, tally AS (
@@ -190,10 +257,10 @@ WITH clock AS (
 )
 SELECT took.user_id, took.gen, clock.now, coalesce(tally.died, 0), coalesce(tally.unfinished, 0),
        claimed.*
-  FROM took CROSS JOIN clock
+  FROM took JOIN picked ON picked.user_id = took.user_id CROSS JOIN clock
        LEFT JOIN tally ON tally.user_id = took.user_id
        LEFT JOIN claimed ON claimed."user" = took.user_id
- ORDER BY took.waiting_since, took.first_id, claimed.id
+ ORDER BY picked.waiting_since, picked.first_wake, claimed.id
 """
 
 
@@ -235,7 +302,8 @@ def read_taken(cursor) -> list[tuple]:
 # locks keep those rows from changing meanwhile. Messages are queued in the same
 # statement (in the order given, for a run without an error), so they commit with
 # the outcome, and their user's delivery is due now (deliveries); with `release` each
-# accepted run's lease is expired at once in the same commit. Callers lock the
+# accepted run's lease is expired at once in the same commit, and its user's wakes
+# replaced by one due now if it has work left. Callers lock the
 # runs' lease rows first (LOCK_MANY). One verdict per run, in order.
 FINISH = f"""
 WITH clock AS (
@@ -245,7 +313,7 @@ WITH clock AS (
                          %(counts)s::int[], %(errors)s::text[])
                   WITH ORDINALITY AS r(user_id, holder, gen, named, error, n)
 ), mine AS (
-    SELECT c.n, c.gen, e.version
+    SELECT c.n, c.gen, c.id, e.version
       FROM unnest(%(event_runs)s::bigint[], %(event_users)s::text[], %(event_gens)s::bigint[],
                   %(event_ids)s::bigint[]) AS c(n, user_id, gen, id)
       CROSS JOIN LATERAL (SELECT e.ctid AS version FROM events e
@@ -289,6 +357,19 @@ WITH clock AS (
     UPDATE leases l SET until = clock.now - 1
       FROM clock, verdict
      WHERE verdict.ok AND %(release)s AND l.ctid = verdict.lease
+), rested AS (  -- a released user's wakes, as this snapshot shows them, give way to
+                -- one wake now if it has work left (see TAKE_WORK's invariant)
+    DELETE FROM wakes w USING verdict
+     WHERE verdict.ok AND %(release)s AND w.user_id = verdict.user_id
+), woke AS (
+    INSERT INTO wakes (user_id, at)
+    SELECT verdict.user_id, clock.now FROM verdict, clock
+     WHERE verdict.ok AND %(release)s
+       AND (verdict.error IS NOT NULL  -- its events go back
+            OR EXISTS (SELECT 1 FROM events e  -- or others are open
+                        WHERE e.user_id = verdict.user_id AND e.status IN ('pending', 'running')
+                          AND NOT EXISTS (SELECT 1 FROM mine
+                                           WHERE mine.n = verdict.n AND mine.id = e.id)))
 )
 SELECT ok, CASE WHEN n = 1 AND EXISTS (SELECT 1 FROM queued)
                 THEN pg_notify('{notify.OUTBOX}', '') END

@@ -107,7 +107,8 @@ def renew(conn, holder: str, keys: list[tuple[str, int]], ttl: int, now: int | N
 # `running` under the old generation: the attempt stays counted, and the claim
 # that retries them sees them unfinished (the worker runs that run in
 # quarantine). `error`, if given, is recorded on them; `at_once` makes them
-# claimable now rather than after their retry backoff.
+# claimable now rather than after their retry backoff. Each user released gets a
+# wake now (store/inbox.py, TAKE_WORK), so a take looks at it again.
 RELEASE = HELD + """, released AS (
     UPDATE leases l SET until = clock.now - 1
       FROM clock, held
@@ -119,6 +120,8 @@ RELEASE = HELD + """, released AS (
            error = coalesce(%(error)s, e.error)
       FROM clock, released r
      WHERE e.user_id = r.user_id AND e.status = 'running' AND e.claim_gen = r.gen
+), woke AS (
+    INSERT INTO wakes (user_id, at) SELECT user_id, clock.now FROM released, clock
 )
 SELECT user_id FROM released
 """
@@ -152,7 +155,8 @@ def held_by(conn, holder: str, now: int | None) -> list[tuple[str, int]]:
 # the given-back generation, so the claim that takes it again still sees it
 # unfinished. Fenced like a finish: only leases this holder still holds in those
 # generations. Both statements follow a CTE `returned(user_id, gen, unfinished)`
-# of the leases given back and answer their users.
+# of the leases given back and answer their users; each user given back gets a
+# wake now (store/inbox.py, TAKE_WORK).
 UNDO_CLAIMS = """unclaimed AS (
     UPDATE events e
        SET status = CASE WHEN r.unfinished AND e.attempts > 1 THEN 'running' ELSE 'pending' END,
@@ -160,6 +164,8 @@ UNDO_CLAIMS = """unclaimed AS (
            available_at = CASE WHEN e.attempts = 1 THEN e.created_at ELSE e.claimed_at END
       FROM returned r
      WHERE e.user_id = r.user_id AND e.status = 'running' AND e.claim_gen = r.gen
+), woke AS (
+    INSERT INTO wakes (user_id, at) SELECT user_id, clock.now FROM returned, clock
 )"""
 
 HAND_BACK = f"""
