@@ -109,7 +109,7 @@ def scalar(url: str, statement: str, params=None):
 
 
 def reset_ours(url: str) -> None:
-    sql(url, "TRUNCATE events, leases, outbox, timers RESTART IDENTITY")
+    sql(url, "TRUNCATE events, leases, wakes, outbox, timers RESTART IDENTITY")
 
 
 def reset_peer(url: str) -> None:

@@ -41,6 +41,11 @@ FULL = {
     "w3": {"events": 20000, "dup_fraction": 0.10, "users": 1000, "batch": 500, "conns": 4},
     "w4": {"scales": [1000, 100000], "busy": 100, "done_per_idle": 10, "pending": 5,
            "calls": 200, "warmup": 20},
+    # W4b: `thinking` users holding a valid lease with `thinking_pending` pending events
+    # each, plus `busy` free users with work, measured rep by rep beside W4 at
+    # `baseline_users` (its own database, `busy` of them with work).
+    "w4b": {"thinking": 10000, "thinking_pending": 10, "busy": 100, "pending": 5,
+            "baseline_users": 1000, "done_per_idle": 10, "calls": 200, "warmup": 20},
     # W5/W5s: ONE worker process, handlers that wait 1 s. ours_extra_args None: automatic
     # (`--isolation thread` if this agent-inbox lists --isolation, else nothing).
     # systems: which of "ours", "peer" run (e.g. --set 'w5.systems=["peer"]').
@@ -71,6 +76,8 @@ QUICK = {
     "w3": {"events": 2000, "dup_fraction": 0.10, "users": 200, "batch": 250, "conns": 4},
     "w4": {"scales": [1000, 10000], "busy": 100, "done_per_idle": 10, "pending": 5,
            "calls": 50, "warmup": 10},
+    "w4b": {"thinking": 2000, "thinking_pending": 10, "busy": 100, "pending": 5,
+            "baseline_users": 1000, "done_per_idle": 10, "calls": 50, "warmup": 10},
     "w5": {"systems": ["ours", "peer"], "users": 3000, "concurrency": 1000, "handler": "async",
            "sleep": 1.0, "lease_ttl": 60, "timeout": 60, "stall_s": 20, "rss_cap_mib": 4096,
            "conn_cap": 64, "ours_extra_args": None,
@@ -312,7 +319,49 @@ def run_all(cfg: dict, server_url: str, only: set | None, budget_s: float | None
             extra[f"w4_{users}_server_ms"] = wl.server_execution_ms(text)
             extra[f"w4_{users}_event_rows"] = rows
             resources().drop(url)
+    if wanted("w4b"):
+        run_w4b(c, extra, cfg["w4b"], server_url, reps, quick)
     return c, extra
+
+
+def run_w4b(c: Collector, extra: dict, w4b: dict, server_url: str, reps: int,
+            quick: bool) -> None:
+    """W4b beside W4 at baseline_users, the two measured in turn in each repetition (so
+    both see the same background load), then each TAKE_WORK explained."""
+    from agent_inbox import Inbox
+    serial = [0]
+    log(f"w4b: take_work with {w4b['thinking']} users holding a lease "
+        f"({w4b['thinking_pending']} pending events each), {w4b['busy']} free with work; "
+        f"beside w4 at {w4b['baseline_users']} users")
+    t = time.monotonic()
+    base_url = wl.w4_setup(server_url, w4b["baseline_users"], w4b["busy"], w4b["done_per_idle"],
+                           w4b["pending"])
+    url, settle = wl.w4b_setup(server_url, w4b["thinking"], w4b["busy"], w4b["pending"],
+                               w4b["thinking_pending"], serial)
+    extra["w4b_setup"] = {**settle, "s": time.monotonic() - t,
+                          "event_rows": wl.scalar(url, "SELECT count(*) FROM events"),
+                          "pending_of_held_leases": wl.scalar(url, wl.PENDING_OF_HELD_LEASES)}
+    log(f"  setup {extra['w4b_setup']['s']:.1f} s ({settle['settle_calls']} settling takes in "
+        f"{settle['settle_s']:.1f} s)")
+    kwargs = dict(calls=w4b["calls"], warmup=w4b["warmup"], pending=w4b["pending"], serial=serial)
+    for _ in range(reps):
+        c.attempt("w4b_baseline", "ours", wl.w4_measure, base_url, **kwargs)
+        c.attempt("w4b", "ours", wl.w4_measure, url, **kwargs)
+    prefix = "quick_" if quick else ""
+    for name, db, what in (
+            (f"explain_w4b_{w4b['thinking']}.txt", url,
+             f"{w4b['thinking']} users holding a lease with {w4b['thinking_pending']} pending "
+             f"events each, {w4b['busy']} free users with work"),
+            (f"explain_w4b_baseline_{w4b['baseline_users']}.txt", base_url,
+             f"{w4b['baseline_users']} users ({w4b['busy']} with work, {w4b['done_per_idle']} "
+             f"done events per idle user)")):
+        with Inbox.connect(db, pool_size=1) as inbox:
+            text = wl.explain_take_work(db, inbox, "bench-w4-explain")
+        (RESULTS / (prefix + name)).write_text(f"-- TAKE_WORK at {what}\n" + text)
+        extra[name.removeprefix("explain_").removesuffix(".txt") + "_server_ms"] = \
+            wl.server_execution_ms(text)
+    resources().drop(url)
+    resources().drop(base_url)
 
 
 # --- the table -----------------------------------------------------------------------------------
@@ -400,6 +449,21 @@ def build_rows(c: Collector, cfg: dict, extra: dict) -> list[dict]:
         if name in c.runs:
             row("w4", f"take_work round trip, {users} users ({cfg['w4']['busy']} busy)", "ms",
                 "lower", c.summary(name, "ours", "median_ms"))
+    if "w4b" in c.runs and "w4b_baseline" in c.runs:
+        w4b = cfg["w4b"]
+        base = c.summary("w4b_baseline", "ours", "median_ms")
+        busy = c.summary("w4b", "ours", "median_ms")
+        row("w4b", f"take_work round trip, {w4b['baseline_users']} users ({w4b['busy']} with "
+            "work), beside W4b", "ms", "lower", base)
+        row("w4b", f"take_work round trip, {w4b['thinking']} users holding a lease with "
+            f"{w4b['thinking_pending']} pending events + {w4b['busy']} free with work", "ms",
+            "lower", busy)
+        rows.append({"workload": "w4b", "figure": "take_work W4b / W4 (goal <= 1.5)",
+                     "unit": "x", "better": "lower",
+                     "ours": {"median": ratio(busy["median"], base["median"]), "min": None,
+                              "max": None, "runs": []},
+                     "peer": None, "ours_over_peer": None, "ceiling": None, "ceiling_value": None,
+                     "ours_over_ceiling": None})
     scales = cfg["w4"]["scales"]
     if all(f"w4_{u}" in c.runs for u in scales) and len(scales) == 2:
         a = c.summary(f"w4_{scales[0]}", "ours", "median_ms")["median"]
@@ -527,7 +591,7 @@ def main(argv=None) -> int:
     parser.add_argument("--server-url", default=DEFAULT_SERVER,
                         help="a maintenance database on the PostgreSQL server to use")
     parser.add_argument("--only", default=None,
-                        help="comma-separated subset: ceiling,w1,w1b,w2,w3,w4,w5,w5s")
+                        help="comma-separated subset: ceiling,w1,w1b,w2,w3,w4,w4b,w5,w5s")
     parser.add_argument("--scaling", action="store_true",
                         help="W1 at 1, 2, 4, 8 worker processes for both systems; writes "
                              "bench/results/scaling.json and w1_scaling.png")

@@ -433,8 +433,74 @@ def w4_setup(server_url: str, users: int, busy: int, done_per_idle: int, pending
     with Inbox.connect(url, pool_size=1) as inbox:
         inbox.ingest_many([(f"busy-{b}", SOURCE, f"p-{b}-{k}", {"k": k})
                            for k in range(pending) for b in range(busy)])
-    vacuum_analyze(url, "events", "leases")
+    vacuum_analyze(url, "events", "leases", "wakes")
     return url
+
+
+# W4b: users that think while their messages arrive. Each holds a valid lease (taken by
+# take_runs with a lease of W4B_TTL, its first event claimed) and then receives `pending`
+# more events through ingest_many, as a user's messages arrive during its run.
+W4B_TTL = 7200
+
+DUE_WAKES_OF_HELD_LEASES = """
+SELECT count(*) FROM wakes w JOIN leases l ON l.user_id = w.user_id
+ WHERE w.at <= floor(extract(epoch FROM clock_timestamp()))::bigint
+   AND l.until >= floor(extract(epoch FROM clock_timestamp()))::bigint
+"""
+
+
+PENDING_OF_HELD_LEASES = """
+SELECT count(*) FROM events e JOIN leases l ON l.user_id = e.user_id
+ WHERE e.status = 'pending' AND l.until >= floor(extract(epoch FROM clock_timestamp()))::bigint
+"""
+
+
+def w4b_setup(server_url: str, thinking: int, busy: int, pending: int,
+              thinking_pending: int, serial: list) -> tuple[str, dict]:
+    """`thinking` users holding a valid lease with `thinking_pending` pending events each,
+    plus `busy` free users with `pending` events each. The arrivals woke the thinking users
+    (one due wake each); take+finish cycles as W4 measures them (untimed) run until a
+    take has looked at every one of them (their next wake is at their lease's end). The
+    setup figures (settle calls and seconds) are returned beside the url."""
+    url = resources().database(server_url, f"w4b_{thinking}")
+    migrate.upgrade(url)
+    with Inbox.connect(url, pool_size=1, lease_ttl=W4B_TTL) as inbox:
+        inbox.ingest_many([(f"thinking-{u}", SOURCE, "first", {"k": 0}) for u in range(thinking)])
+        taken = 0
+        while taken < thinking:
+            runs = inbox.take_runs("bench-w4b-thinker", users=200)
+            assert runs, f"only {taken} of {thinking} thinking users taken"
+            taken += len(runs)
+        for k in range(thinking_pending):
+            inbox.ingest_many([(f"thinking-{u}", SOURCE, f"m-{k}", {"k": k})
+                               for u in range(thinking)])
+        inbox.ingest_many([(f"busy-{b}", SOURCE, f"p-{b}-{k}", {"k": k})
+                           for k in range(pending) for b in range(busy)])
+    vacuum_analyze(url, "events", "leases", "wakes")
+    t = time.perf_counter()
+    calls = 0
+    with Inbox.connect(url, pool_size=1) as inbox:
+        while scalar(url, DUE_WAKES_OF_HELD_LEASES):
+            _take_cycle(inbox, "bench-w4-holder", pending, serial)
+            calls += 1
+            assert calls <= 10 * thinking, "the thinking users' wakes were not looked at"
+    settle = {"settle_calls": calls, "settle_s": time.perf_counter() - t}
+    vacuum_analyze(url, "events", "leases", "wakes")
+    return url, settle
+
+
+def _take_cycle(inbox: Inbox, holder: str, pending: int, serial: list) -> float:
+    """One take_work timed (ms), then (untimed) its run finished and its user given
+    `pending` fresh events, so the number of users with work stays the same."""
+    t = time.perf_counter()
+    run = inbox.take_work(holder)
+    dt = time.perf_counter() - t
+    assert run is not None and len(run.events) == pending, run
+    assert inbox.finish_run(run, Result())
+    base = serial[0]
+    serial[0] += pending
+    inbox.ingest_many([(run.user, SOURCE, f"r-{base + k}", {"k": k}) for k in range(pending)])
+    return dt * 1000.0
 
 
 def take_work_params(inbox: Inbox, holder: str) -> dict:
@@ -459,20 +525,9 @@ def explain_take_work(url: str, inbox: Inbox, holder: str) -> str:
 def w4_measure(url: str, *, calls: int, warmup: int, pending: int, serial: list) -> dict:
     """Median take_work round trip over `calls` calls. Between calls (not timed) the run is
     finished and the user gets `pending` fresh events, so 100 users always have work."""
-    holder = "bench-w4-holder"
     with Inbox.connect(url, pool_size=1) as inbox:
-        times = []
-        for n in range(warmup + calls):
-            t = time.perf_counter()
-            run = inbox.take_work(holder)
-            dt = time.perf_counter() - t
-            assert run is not None and len(run.events) == pending, run
-            if n >= warmup:
-                times.append(dt * 1000.0)
-            assert inbox.finish_run(run, Result())
-            base = serial[0]
-            serial[0] += pending
-            inbox.ingest_many([(run.user, SOURCE, f"r-{base + k}", {"k": k}) for k in range(pending)])
+        times = [_take_cycle(inbox, "bench-w4-holder", pending, serial)
+                 for _ in range(warmup + calls)][warmup:]
     times.sort()
     return {"median_ms": times[len(times) // 2], "p90_ms": percentile(times, 90),
             "min_ms": times[0], "max_ms": times[-1], "calls": len(times)}
