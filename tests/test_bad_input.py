@@ -18,6 +18,22 @@ CASES = {
     "empty source_id": (lambda ib: ib.ingest("u", "s", "", {}), InvalidInput, "source_id must not be empty"),
     "empty kind": (lambda ib: ib.ingest("u", "s", "1", {}, kind=""), InvalidInput, "kind must not be empty"),
     "kind not text": (lambda ib: ib.ingest("u", "s", "1", {}, kind=3), InvalidInput, "kind must be a string"),
+    "user over 200 bytes": (lambda ib: ib.ingest("u" * 201, "s", "1", {}), InvalidInput,
+                            "user is 201 bytes in UTF-8, over the limit of 200"),
+    "source over 100 bytes": (lambda ib: ib.ingest("u", "s" * 101, "1", {}), InvalidInput,
+                              "source is 101 bytes in UTF-8, over the limit of 100"),
+    "source_id over 500 bytes": (lambda ib: ib.ingest("u", "s", "é" * 251, {}), InvalidInput,
+                                 "source_id is 502 bytes in UTF-8, over the limit of 500"),
+    "12 kB source_id": (lambda ib: ib.ingest("u", "s", "k" * 12_000, {}), InvalidInput,
+                        "source_id is 12000 bytes in UTF-8, over the limit of 500"),
+    "kind over 200 bytes": (lambda ib: ib.ingest("u", "s", "1", {}, kind="k" * 201), InvalidInput,
+                            "kind is 201 bytes in UTF-8, over the limit of 200"),
+    "ingest_many source_id over 500 bytes": (
+        lambda ib: ib.ingest_many([("u", "s", "ok", {}), ("u", "s", "k" * 501, {})]), InvalidInput,
+        "events[1] source_id is 501 bytes in UTF-8, over the limit of 500"),
+    "ingest_many user over 200 bytes": (
+        lambda ib: ib.ingest_many([("u" * 201, "s", "1", {})]), InvalidInput,
+        "events[0] user is 201 bytes"),
     "NUL in source_id": (lambda ib: ib.ingest("u", "s", "a\x00b", {}), InvalidInput, "NUL"),
     "surrogate in user": (lambda ib: ib.ingest("\ud800", "s", "1", {}), InvalidInput, "lone surrogate"),
     "surrogate in payload": (lambda ib: ib.ingest("u", "s", "1", {"a": "\ud800"}), InvalidPayload,
@@ -97,6 +113,11 @@ def test_the_payload_limit_is_configurable(make_inbox):
     assert small.ingest("u", "s", "ok", {"x": "a" * 50})
     with pytest.raises(PayloadTooLarge, match="over the limit of 100"):
         small.ingest("u", "s", "big", {"x": "a" * 200})
+
+
+def test_names_and_keys_at_their_limits_are_stored(inbox):
+    assert inbox.ingest("u" * 200, "s" * 100, "é" * 250, {}, kind="k" * 200)
+    assert inbox.ingest_many([("u" * 200, "s" * 100, "k" * 500, {}, "k" * 200)]) == [True]
 
 
 def test_bad_configuration_is_refused(database_url):

@@ -97,11 +97,8 @@ class Inbox(Runs, Scheduling, Delivery):
         `kind` is what the provider calls the event (GitHub's "push"), if any.
 
         Call it after the provider's signature check, then acknowledge."""
-        user = validate.text("user", user)
-        source = validate.text("source", source)
-        source_id = validate.text("source_id", source_id)
+        user, source, source_id, kind = validate.event_names("", user, source, source_id, kind)
         encoded = validate.payload("payload", payload, self.max_payload_bytes)
-        kind = validate.optional_text("kind", kind)
         with db.connection(self._pool) as conn:
             stored = inbox.insert(conn, user, source, source_id, encoded, kind)
         metrics.count_ingested(source, stored)
@@ -120,11 +117,11 @@ class Inbox(Runs, Scheduling, Delivery):
                 raise errors.InvalidInput(f"events[{n}]", item,
                                           "must be (user, source, source_id, payload[, kind])")
             user, source, source_id, payload, kind = (*item, None)[:5]
-            rows.append((validate.text(f"events[{n}] user", user),
-                         validate.text(f"events[{n}] source", source),
-                         validate.text(f"events[{n}] source_id", source_id),
+            user, source, source_id, kind = validate.event_names(f"events[{n}]", user, source,
+                                                                 source_id, kind)
+            rows.append((user, source, source_id,
                          validate.payload(f"events[{n}] payload", payload, self.max_payload_bytes),
-                         validate.optional_text(f"events[{n}] kind", kind)))
+                         kind))
 
         def insert_all(conn) -> list[bool]:
             stored: list[bool] = []

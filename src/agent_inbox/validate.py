@@ -14,14 +14,22 @@ _BIGINT_MAX = 2**63 - 1
 # Times and durations stop at the end of year 9999: far enough for any schedule,
 # and sums of two of them (due + every, now + expires_in) stay inside a bigint.
 MAX_SECONDS = 253_402_300_799
+# Longest names and keys of an event, in UTF-8 bytes. (user_id, source, source_id)
+# is a unique btree, whose entries PostgreSQL caps at about 2.7 kB: keys past that
+# would fail in the database, for ever, instead of here.
+MAX_USER_BYTES = 200
+MAX_SOURCE_BYTES = 100
+MAX_SOURCE_ID_BYTES = 500
+MAX_KIND_BYTES = 200
 
 
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def text(field: str, value: object) -> str:
-    """A non-empty string PostgreSQL can store (text cannot hold NUL)."""
+def text(field: str, value: object, max_bytes: int | None = None) -> str:
+    """A non-empty string PostgreSQL can store (text cannot hold NUL), of at
+    most `max_bytes` bytes in UTF-8 if given."""
     if not isinstance(value, str):
         raise errors.InvalidInput(field, value, "must be a string")
     if not value:
@@ -29,10 +37,23 @@ def text(field: str, value: object) -> str:
     if "\x00" in value:
         raise errors.InvalidInput(field, value, "must not contain NUL characters")
     try:
-        value.encode("utf-8")
+        size = len(value.encode("utf-8"))
     except UnicodeEncodeError:
         raise errors.InvalidInput(field, value, "contains a lone surrogate (not valid Unicode)") from None
+    if max_bytes is not None and size > max_bytes:
+        raise errors.InvalidInput(field, value,
+                                  f"is {size} bytes in UTF-8, over the limit of {max_bytes}")
     return value
+
+
+def event_names(field: str, user: object, source: object, source_id: object,
+                kind: object = None) -> tuple[str, str, str, str | None]:
+    """An event's user, source, source_id and kind, each within its limit."""
+    prefix = f"{field} " if field else ""
+    return (text(prefix + "user", user, MAX_USER_BYTES),
+            text(prefix + "source", source, MAX_SOURCE_BYTES),
+            text(prefix + "source_id", source_id, MAX_SOURCE_ID_BYTES),
+            None if kind is None else text(prefix + "kind", kind, MAX_KIND_BYTES))
 
 
 def epoch(field: str, value: object) -> int:
