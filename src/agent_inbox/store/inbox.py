@@ -158,7 +158,7 @@ CLAIMABLE = """EXISTS (SELECT 1 FROM events e
                   AND (e.attempts = 0 OR e.available_at <= clock.now))"""
 
 # How many wakes a take looks at beyond the users it takes (see TAKE_WORK).
-LOOK = 100
+LOOK = 1000
 
 # Spans users (finding work), then their claims, in one statement and one round
 # trip: up to %(users)s users whose lease is free or expired and who have a
