@@ -32,6 +32,12 @@ def available() -> bool:
     return shutil.which("pgbouncer") is not None
 
 
+def version() -> str:
+    """`pgbouncer --version`'s first line ("PgBouncer 1.18.0")."""
+    done = subprocess.run(["pgbouncer", "--version"], capture_output=True, text=True, timeout=10)
+    return done.stdout.splitlines()[0] if done.stdout else ""
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -81,7 +87,8 @@ class PgBouncer:
             for path in self.root.iterdir():
                 shutil.chown(path, user=account.pw_uid, group=account.pw_gid)
             command[1:1] = ["-u", "postgres"]
-        self.process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        self.process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                        start_new_session=True)
         self._wait_until_it_answers()
         return self
 
