@@ -313,7 +313,7 @@ WITH clock AS (
                          %(counts)s::int[], %(errors)s::text[])
                   WITH ORDINALITY AS r(user_id, holder, gen, named, error, n)
 ), mine AS (
-    SELECT c.n, c.gen, c.id, e.version
+    SELECT c.n, c.gen, e.version
       FROM unnest(%(event_runs)s::bigint[], %(event_users)s::text[], %(event_gens)s::bigint[],
                   %(event_ids)s::bigint[]) AS c(n, user_id, gen, id)
       CROSS JOIN LATERAL (SELECT e.ctid AS version FROM events e
@@ -323,7 +323,7 @@ WITH clock AS (
 ), found AS (
     SELECT n, count(*) AS events FROM mine GROUP BY n
 ), verdict AS (
-    SELECT run.n, run.user_id, run.error, l.version AS lease,
+    SELECT run.n, run.user_id, run.error, run.named, l.version AS lease,
            l.version IS NOT NULL AND coalesce(found.events, 0) = run.named AS ok
       FROM run CROSS JOIN clock
       LEFT JOIN LATERAL (SELECT l.ctid AS version FROM leases l
@@ -366,10 +366,9 @@ WITH clock AS (
     SELECT verdict.user_id, clock.now FROM verdict, clock
      WHERE verdict.ok AND %(release)s
        AND (verdict.error IS NOT NULL  -- its events go back
-            OR EXISTS (SELECT 1 FROM events e  -- or others are open
+            OR EXISTS (SELECT 1 FROM events e  -- or more are open than the run's own
                         WHERE e.user_id = verdict.user_id AND e.status IN ('pending', 'running')
-                          AND NOT EXISTS (SELECT 1 FROM mine
-                                           WHERE mine.n = verdict.n AND mine.id = e.id)))
+                       OFFSET verdict.named))
 )
 SELECT ok, CASE WHEN n = 1 AND EXISTS (SELECT 1 FROM queued)
                 THEN pg_notify('{notify.OUTBOX}', '') END
