@@ -28,7 +28,7 @@ import uvicorn
 from agent_inbox import errors
 from agent_inbox.ingest import signatures
 from agent_inbox.ingest.app import build_app
-from agent_inbox.ingest.secrets import SecretStore, load_secrets
+from agent_inbox.ingest.secrets import Credential, SecretStore, load_secrets
 
 from tests.runtime.support import wait_until
 
@@ -39,7 +39,10 @@ STRIPE_SECRET = "whsec_stripe-secret-Lp27"
 STRIPE_OLD_SECRET = "whsec_stripe-old-Kd55"
 LINEAR_SECRET = "linear-secret-Rt48"
 SECRETS = {
-    "alice": {"github": GITHUB_SECRET, "stripe": STRIPE_SECRET, "linear": LINEAR_SECRET},
+    # A plain string on a generic source means Standard Webhooks: linear keeps
+    # the old body-only X-Signature scheme by saying so.
+    "alice": {"github": GITHUB_SECRET, "stripe": STRIPE_SECRET,
+              "linear": {"scheme": "hmac-body", "secret": LINEAR_SECRET}},
     "bob": {"github": "bob-github-secret-Mm11"},
 }
 MAX_BODY = 4096
@@ -393,18 +396,20 @@ def test_signature_checks_answer_false_on_malformed_input_instead_of_raising():
 
 def test_secrets_files_load_from_json_and_toml_and_errors_never_show_a_secret(tmp_path):
     as_json = tmp_path / "s.json"
-    as_json.write_text(json.dumps({"alice": {"github": "g1"}}))
+    g1, whsec_x = "g1-github-secret-16", "whsec_x-stripe-secret"
+    as_json.write_text(json.dumps({"alice": {"github": g1}}))
     as_toml = tmp_path / "s.toml"
-    as_toml.write_text('[alice]\ngithub = "g1"\n\n[bob]\nstripe = "whsec_x"\n')
-    assert load_secrets(as_json) == {"alice": {"github": "g1"}}
-    assert load_secrets(as_toml) == {"alice": {"github": "g1"}, "bob": {"stripe": "whsec_x"}}
+    as_toml.write_text(f'[alice]\ngithub = "{g1}"\n\n[bob]\nstripe = "{whsec_x}"\n')
+    assert load_secrets(as_json) == {"alice": {"github": Credential("github", (g1.encode(),))}}
+    assert load_secrets(as_toml) == {"alice": {"github": Credential("github", (g1.encode(),))},
+                                     "bob": {"stripe": Credential("stripe", (whsec_x.encode(),))}}
     secret = "TOPSECRET-value-99"
     broken = {
         "a.json": '{"alice": {"github": "%s"' % secret,
         "b.toml": '[alice]\ngithub = "%s\x01"\n' % secret,
         "c.toml": '[alice]\ngithub = %s\n' % secret,
         "d.json": json.dumps({"alice": secret}),
-        "e.json": json.dumps({"alice": {"github": [secret]}}),
+        "e.json": json.dumps({"alice": {"github": [[secret]]}}),
         "f.json": json.dumps({"alice": {"github": ""}}),
         "g.yaml": json.dumps({"alice": {"github": secret}}),
         "h.json": json.dumps([secret]),
@@ -419,7 +424,8 @@ def test_secrets_files_load_from_json_and_toml_and_errors_never_show_a_secret(tm
         assert caught.value.__cause__ is None, name
         assert caught.value.__context__ is None or caught.value.__suppress_context__, name
     store = SecretStore.from_file(as_toml)
-    assert "g1" not in repr(store) and "whsec_x" not in repr(store)
+    assert g1 not in repr(store) and whsec_x not in repr(store)
+    assert g1 not in repr(store.get("alice", "github"))
 
 # --- the command, as a process --------------------------------------------------------
 
@@ -515,7 +521,7 @@ def write_secrets(path, secrets: dict):
 
 def test_the_command_serves_and_reloads_its_secrets_on_sighup_without_logging_them(
         spawn_server, database_url, inbox, tmp_path):
-    old, new, never = "OLD-secret-ZK41", "NEW-secret-QW83", "BROKEN-secret-PL27"
+    old, new, never = "OLD-secret-ZK41-a", "NEW-secret-QW83-b", "BROKEN-secret-PL27"
     path = tmp_path / "secrets.toml"
     write_secrets(path, {"alice": {"github": old}})
     server = spawn_server("--database-url", database_url, "--secrets", str(path), "--port", "0",
@@ -565,7 +571,7 @@ def test_the_command_with_a_json_secrets_file_from_the_environment(spawn_server,
     assert stored(inbox) == [("stripe", "evt_env", {"id": "evt_env"})]
     for sources in SECRETS.values():
         for secret in sources.values():
-            assert secret not in server.output
+            assert (secret["secret"] if isinstance(secret, dict) else secret) not in server.output
 
 def test_the_command_refuses_a_schema_not_at_head(spawn_server, empty_database_url, tmp_path):
     path = tmp_path / "secrets.json"
