@@ -97,7 +97,7 @@ def open_service_inbox(args: argparse.Namespace, pool_size: int, *, stop=None, *
     if args.metrics_port:
         from agent_inbox import metrics
 
-        metrics.serve(args.metrics_port, inbox.pool)
+        metrics.serve(args.metrics_port, inbox.pool, args.metrics_host)
     return inbox
 
 
@@ -198,12 +198,16 @@ def cmd_dispatcher(args: argparse.Namespace) -> int:
 
 
 def add_service_options(parser: argparse.ArgumentParser) -> None:
-    """--database-url, --pooler, --log-level and --metrics-port: what every service takes."""
+    """--database-url, --pooler, --log-level, --metrics-port and --metrics-host: what
+    every service takes."""
     add_database_url(parser, required=True)
     parser.add_argument("--log-level", default=env_default("log-level", "info"),
                         choices=["debug", "info", "warning", "error"])
     parser.add_argument("--metrics-port", type=int, default=env_default("metrics-port", 0),
                         help="serve Prometheus metrics on this port (default: off)")
+    parser.add_argument("--metrics-host", default=env_default("metrics-host", "127.0.0.1"),
+                        help="address the metrics listen on (default 127.0.0.1; 0.0.0.0 for "
+                             "every interface)")
 
 
 def _service_parser(commands, name: str, help_text: str, poll_default: float):

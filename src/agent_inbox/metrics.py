@@ -39,6 +39,11 @@ SEND_FAILURES = Counter("agent_inbox_outbox_send_failures_total",
                         "Failed sends: retried after a backoff, parked failed, or lost "
                         "(--at-most-once)", ["outcome"])
 
+INTAKE_REFUSED = Counter("agent_inbox_intake_refused_total",
+                         "Webhook deliveries refused 401 (bad or missing signature, no secret)")
+INTAKE_CLOSED = Counter("agent_inbox_intake_connections_closed_total",
+                        "Intake connections closed by a limit", ["reason"])
+
 
 def count_ingested(source: str, stored: bool) -> None:
     (INGESTED if stored else DUPLICATES).labels(source).inc()
@@ -82,8 +87,11 @@ class InboxDepth:
         yield unsent
 
 
-def serve(port: int, pool) -> None:
-    """Expose /metrics on `port` (all interfaces), with the inbox depth."""
+DEFAULT_HOST = "127.0.0.1"
+
+
+def serve(port: int, pool, host: str = DEFAULT_HOST) -> None:
+    """Expose /metrics on `host`:`port` (loopback unless told), with the inbox depth."""
     REGISTRY.register(InboxDepth(pool))
-    start_http_server(port)
-    log.info("metrics on :%d/metrics", port)
+    start_http_server(port, addr=host)
+    log.info("metrics on %s:%d/metrics", host, port)

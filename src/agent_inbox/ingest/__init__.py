@@ -12,3 +12,8 @@ SIGHUP reload), `app` (the Starlette application), `command` (the
 # Shared defaults (here so that importing the command does not import Starlette).
 DEFAULT_MAX_BODY = 1 << 20  # 1 MiB
 DEFAULT_STRIPE_TOLERANCE = 300  # seconds
+# The transport's limits (ingest/transport.py), per server process.
+DEFAULT_HEADER_TIMEOUT = 10.0  # seconds for a request's headers
+DEFAULT_BODY_TIMEOUT = 10.0  # seconds for a whole body, after its headers
+DEFAULT_MAX_CONNECTIONS = 1000
+DEFAULT_MAX_BUFFERED = 64 << 20  # 64 MiB of requests held at once

@@ -15,7 +15,9 @@ import argparse
 import logging
 
 from agent_inbox import errors, validate
-from agent_inbox.ingest import DEFAULT_MAX_BODY, DEFAULT_STRIPE_TOLERANCE
+from agent_inbox.ingest import (DEFAULT_BODY_TIMEOUT, DEFAULT_HEADER_TIMEOUT, DEFAULT_MAX_BODY,
+                                DEFAULT_MAX_BUFFERED, DEFAULT_MAX_CONNECTIONS,
+                                DEFAULT_STRIPE_TOLERANCE)
 
 log = logging.getLogger("agent_inbox.ingest")
 
@@ -47,6 +49,22 @@ def add_parser(commands) -> argparse.ArgumentParser:
                         default=env_default("stripe-tolerance", DEFAULT_STRIPE_TOLERANCE),
                         help="seconds a Stripe-Signature timestamp may differ from now "
                              f"(default {DEFAULT_STRIPE_TOLERANCE})")
+    parser.add_argument("--header-timeout", type=float,
+                        default=env_default("header-timeout", DEFAULT_HEADER_TIMEOUT),
+                        help="seconds a request's headers may take to arrive, from the connection "
+                             "or the previous answer (default %g; then 408)" % DEFAULT_HEADER_TIMEOUT)
+    parser.add_argument("--body-timeout", type=float,
+                        default=env_default("body-timeout", DEFAULT_BODY_TIMEOUT),
+                        help="seconds a whole request body may take to arrive after its headers "
+                             "(default %g; then 408)" % DEFAULT_BODY_TIMEOUT)
+    parser.add_argument("--max-connections", type=int,
+                        default=env_default("max-connections", DEFAULT_MAX_CONNECTIONS),
+                        help="connections at once; one more is answered 503 and closed "
+                             f"(default {DEFAULT_MAX_CONNECTIONS})")
+    parser.add_argument("--max-buffered", type=int,
+                        default=env_default("max-buffered", DEFAULT_MAX_BUFFERED),
+                        help="bytes of requests held across all connections before large ones "
+                             f"are read no further until room frees (default {DEFAULT_MAX_BUFFERED})")
     parser.add_argument("--pool-size", type=int, default=env_default("pool-size", DEFAULT_POOL_SIZE),
                         help="database connections, and threads running ingests "
                              f"(default {DEFAULT_POOL_SIZE})")
@@ -59,6 +77,7 @@ def cmd_ingest_server(args: argparse.Namespace) -> int:
 
     from agent_inbox.cli import open_service_inbox
 
+    from agent_inbox.ingest import transport
     from agent_inbox.ingest.app import build_app
     from agent_inbox.ingest.secrets import SecretStore
     from agent_inbox.service import Stop
@@ -68,6 +87,15 @@ def cmd_ingest_server(args: argparse.Namespace) -> int:
     pool_size = validate.positive_int("--pool-size", args.pool_size)
     if not 0 <= args.port <= 65535:
         raise errors.InvalidInput("--port", args.port, "must be between 0 and 65535")
+    limits = transport.Limits(header_timeout=_number("--header-timeout", args.header_timeout),
+                              body_timeout=_number("--body-timeout", args.body_timeout),
+                              max_connections=validate.positive_int("--max-connections",
+                                                                    args.max_connections),
+                              max_buffered=validate.positive_int("--max-buffered",
+                                                                 args.max_buffered))
+    if limits.max_buffered < max_body:
+        raise errors.InvalidInput("--max-buffered", limits.max_buffered,
+                                  f"must be at least --max-body ({max_body})")
     if not args.secrets:
         raise errors.InvalidInput("--secrets", None, "is required (or AGENT_INBOX_SECRETS)")
     secrets = SecretStore.from_file(args.secrets)  # before connecting: a bad file fails fast
@@ -78,11 +106,19 @@ def cmd_ingest_server(args: argparse.Namespace) -> int:
         with open_service_inbox(args, pool_size, max_payload_bytes=max_body) as inbox:
             log.info("secrets loaded from %s", secrets.describe())
             app = build_app(inbox, secrets, max_body, tolerance, threads=pool_size)
-            server = uvicorn.Server(uvicorn.Config(
-                app, host=args.host, port=args.port, log_level=args.log_level.lower(),
+            server = uvicorn.Server(transport.config(
+                app, limits, host=args.host, port=args.port, log_level=args.log_level.lower(),
                 lifespan="on", server_header=False))
             if not stop.is_set():
                 server.run()
     finally:
         secrets.close()
     return 0
+
+
+def _number(option: str, value) -> float:
+    """A positive, finite number of seconds (an option's value)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) \
+            or not 0 < value < float("inf"):
+        raise errors.InvalidInput(option, value, "must be a positive number of seconds")
+    return float(value)
