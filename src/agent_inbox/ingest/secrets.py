@@ -27,8 +27,11 @@ JSON cannot be cut and still parse (its closing brace is last). TOML can, at any
 line end, so a TOML file is refused unless it ends with a newline, a user table
 with no source is refused (a cut after a header), an entry object without its
 secret is refused, and a file whose size or mtime changes while it is read is
-refused. A cut exactly between two complete lines is still undetectable from
-the content: replace the file by rename (README), never rewrite it in place.
+refused; a reload that would remove a user or source reads the file again
+until two reads 0.2 s apart agree (a writer still at work has finished), and
+logs how many it removed. A file cut exactly between two complete lines, and
+left so, is still undetectable from its content: replace the file by rename
+(README), never rewrite it in place.
 """
 
 import json
@@ -37,6 +40,7 @@ import os
 import re
 import signal
 import threading
+import time
 import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -55,6 +59,10 @@ GENERIC_SCHEMES = ("standard-webhooks", "hmac-body")
 DEFAULT_GENERIC_SCHEME = "standard-webhooks"
 SCHEMES = (*PROVIDER_SCHEMES.values(), *GENERIC_SCHEMES)
 MIN_SECRET_BYTES = 16
+# A reload that would remove users or sources reads the file again this long
+# after, up to this many times, until two reads agree.
+RELOAD_SETTLE = 0.2
+RELOAD_SETTLE_READS = 5
 # A rotation needs the new secret and the old one; verification always does
 # this many HMACs (padding with unknown keys), so its time does not say how
 # many secrets a source has, or whether it has any.
@@ -270,7 +278,7 @@ class SecretStore:
             log.warning("secrets reload requested, but they did not come from a file")
             return False
         try:
-            fresh = load_secrets(self.path)
+            fresh = self._load_settled()
         except errors.InvalidInput as exc:
             log.error("secrets reload failed, keeping the previous secrets: %s", exc)
             return False
@@ -283,6 +291,22 @@ class SecretStore:
         self._reloads += 1
         log.info("secrets reloaded from %s: %s%s", self.path, _count(fresh), removed)
         return True
+
+    def _load_settled(self) -> Secrets:
+        """The file's secrets; if they would remove any user or source, only
+        once two reads RELOAD_SETTLE seconds apart agree (a writer still at
+        work, rewriting the file in place, has then finished or is refused)."""
+        fresh = load_secrets(self.path)
+        for _ in range(RELOAD_SETTLE_READS):
+            if not _removed(self._secrets, fresh):
+                return fresh
+            time.sleep(RELOAD_SETTLE)
+            again = load_secrets(self.path)
+            if again == fresh:
+                return fresh
+            fresh = again
+        raise errors.InvalidInput("secrets file", str(self.path),
+                                  "kept changing while it was read (replace it by rename)")
 
     def request_reload(self) -> None:
         """Safe to call from a signal handler: only sets an event."""
