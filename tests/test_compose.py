@@ -31,20 +31,27 @@ URL_VAR = "AGENT_INBOX_DATABASE_URL"
 
 # --- helpers -----------------------------------------------------------------
 
-_VAR = re.compile(r"\$\$|\$\{([A-Za-z_][A-Za-z0-9_]*)(?::?-([^}]*))?\}|\$([A-Za-z_][A-Za-z0-9_]*)")
+_VAR = re.compile(r"\$\$|\$\{([A-Za-z_][A-Za-z0-9_]*)(?:(:?[-+])([^}]*))?\}|\$([A-Za-z_][A-Za-z0-9_]*)")
 
 
 def interpolate(value: str, env: dict[str, str] | None = None) -> str:
     """Compose's interpolation for the forms used here: ${VAR}, ${VAR:-default},
-    ${VAR-default}, $VAR and the $$ escape. With env={} every default applies."""
+    ${VAR-default}, ${VAR:+replacement}, ${VAR+replacement}, $VAR and the $$
+    escape. With env={} every default applies and no replacement does."""
     env = {} if env is None else env
 
     def sub(match: re.Match) -> str:
         if match.group(0) == "$$":
             return "$"
-        name = match.group(1) or match.group(3)
-        default = match.group(2)
-        return env.get(name) or (default if default is not None else "")
+        name = match.group(1) or match.group(4)
+        operator, word = match.group(2), match.group(3)
+        # With a colon, an empty value counts as unset.
+        present = bool(env.get(name)) if operator and operator.startswith(":") else name in env
+        if operator in ("-", ":-"):
+            return env[name] if present else word
+        if operator in ("+", ":+"):
+            return word if present else ""
+        return env.get(name, "")
 
     return _VAR.sub(sub, value)
 
@@ -396,7 +403,38 @@ def test_runtime_services_have_a_healthcheck_on_a_port_they_serve(services, name
 def test_the_ingest_server_reads_its_secrets_from_a_declared_compose_secret(compose, services):
     svc = services["ingest-server"]
     [secret] = svc["secrets"]
-    assert environment(svc)["AGENT_INBOX_SECRETS"] == f"/run/secrets/{secret}"
-    source = interpolate(compose["secrets"][secret]["file"])
-    assert (ROOT / source).exists()
+    chosen = {"AGENT_INBOX_SECRETS_FILE": "./my-secrets.json"}
+    assert interpolate(environment(svc)["AGENT_INBOX_SECRETS"], chosen) == f"/run/secrets/{secret}"
+    assert interpolate(compose["secrets"][secret]["file"], chosen) == "./my-secrets.json"
     assert environment(svc)["AGENT_INBOX_HOST"] == "0.0.0.0"
+
+
+def test_there_is_no_default_secrets_file_and_the_intake_says_so(compose, services, monkeypatch,
+                                                                 capsys):
+    """Unset, nothing is mounted (not the committed example, whose secrets are
+    placeholders) and the intake exits 2 saying what to set, before connecting."""
+    svc = services["ingest-server"]
+    [secret] = svc["secrets"]
+    assert interpolate(compose["secrets"][secret]["file"]) == "/dev/null"
+    for key, value in environment(svc).items():
+        monkeypatch.setenv(key, interpolate(value))
+    assert os.environ["AGENT_INBOX_SECRETS"] == ""
+    assert cli.main(command_argv(svc)) == 2
+    assert "set AGENT_INBOX_SECRETS_FILE" in capsys.readouterr().err
+
+
+def test_the_intake_is_published_on_the_hosts_loopback_by_default(services):
+    [published] = services["ingest-server"]["ports"]
+    assert interpolate(published) == "127.0.0.1:8080:8080"
+    assert interpolate(published, {"AGENT_INBOX_INGEST_BIND": "0.0.0.0"}) == "0.0.0.0:8080:8080"
+    for name, svc in services.items():  # nothing else reaches beyond the host
+        for port in svc.get("ports") or []:
+            assert interpolate(str(port)).startswith("127.0.0.1:"), (name, port)
+
+
+@pytest.mark.parametrize("name", RUNTIME_SERVICES)
+def test_metrics_listen_on_the_compose_network_and_are_not_published(services, name):
+    env = environment(services[name])
+    assert env["AGENT_INBOX_METRICS_HOST"] == "0.0.0.0"
+    assert not any(env["AGENT_INBOX_METRICS_PORT"] in str(p).rsplit(":", 1)[-1]
+                   for p in services[name].get("ports") or [])

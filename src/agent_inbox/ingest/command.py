@@ -39,8 +39,9 @@ def add_parser(commands) -> argparse.ArgumentParser:
                         help=f"address to listen on (default {DEFAULT_HOST})")
     parser.add_argument("--port", type=int, default=env_default("port", DEFAULT_PORT),
                         help=f"port to listen on, 0 for any free one (default {DEFAULT_PORT})")
+    # Not required by argparse: AGENT_INBOX_SECRETS="" (compose without a secrets
+    # file) must get cmd_ingest_server's message, which says what to do.
     parser.add_argument("--secrets", default=env_default("secrets"),
-                        required=not env_default("secrets"),
                         help="JSON or TOML file of {user: {source: secret}}, re-read on SIGHUP "
                              "(env AGENT_INBOX_SECRETS)")
     parser.add_argument("--max-body", type=int, default=env_default("max-body", DEFAULT_MAX_BODY),
@@ -97,7 +98,11 @@ def cmd_ingest_server(args: argparse.Namespace) -> int:
         raise errors.InvalidInput("--max-buffered", limits.max_buffered,
                                   f"must be at least --max-body ({max_body})")
     if not args.secrets:
-        raise errors.InvalidInput("--secrets", None, "is required (or AGENT_INBOX_SECRETS)")
+        raise errors.InvalidInput(
+            "--secrets", args.secrets,
+            "is required: a JSON or TOML file of {user: {source: secret}} (or "
+            "AGENT_INBOX_SECRETS; with docker compose, set AGENT_INBOX_SECRETS_FILE to its path "
+            "on the host; deploy/webhook-secrets.example.json shows the form)")
     secrets = SecretStore.from_file(args.secrets)  # before connecting: a bad file fails fast
 
     stop = Stop().install()  # uvicorn takes SIGTERM/SIGINT over while it serves
