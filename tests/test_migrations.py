@@ -10,7 +10,8 @@ import pytest
 
 from agent_inbox import errors, migrate, revision
 
-TABLES = {"events", "leases", "timers", "outbox", "operator_actions", "deliveries", "wakes"}
+TABLES = {"events", "leases", "timers", "outbox", "operator_actions", "deliveries", "wakes",
+          "run_stats"}
 
 
 def _tables(url: str) -> set[str]:

@@ -209,3 +209,20 @@ operator_actions = sa.Table(
     ),
     sa.CheckConstraint("(event_id IS NULL) <> (outbox_batch IS NULL)", name="one_target"),
 )
+
+# What the worker runtime did, per minute (epoch seconds // 60 * 60) and per
+# process (its holder id): runs finished, finishes the fence refused, takeovers
+# (runs that took over a user whose last run ended without a finish) and events
+# parked dead. Each process adds to its own row only (store/stats.py); read by
+# the console's last-hour chart. Not keyed by user: it describes the fleet.
+run_stats = sa.Table(
+    "run_stats",
+    metadata,
+    sa.Column("minute", sa.BigInteger, nullable=False),
+    sa.Column("process", sa.Text, nullable=False),
+    sa.Column("finished", sa.BigInteger, nullable=False, server_default="0"),
+    sa.Column("refused", sa.BigInteger, nullable=False, server_default="0"),
+    sa.Column("takeovers", sa.BigInteger, nullable=False, server_default="0"),
+    sa.Column("died", sa.BigInteger, nullable=False, server_default="0"),
+    sa.PrimaryKeyConstraint("minute", "process"),
+)

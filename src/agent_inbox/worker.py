@@ -39,13 +39,13 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-from agent_inbox import errors, executors, handler, metrics, validate
+from agent_inbox import db, errors, executors, handler, metrics, validate
 from agent_inbox.handler import Context, Crashed
 from agent_inbox.inbox import Inbox
 from agent_inbox.result import Result
 from agent_inbox.runs import Outcome, Run
 from agent_inbox.service import Listener, Stop, Waker, backoff_delays, jittered
-from agent_inbox.store import notify
+from agent_inbox.store import notify, stats
 
 log = logging.getLogger("agent_inbox.worker")
 
@@ -126,6 +126,8 @@ class Worker:
         # Started runs whose ending could not be written (the database was away):
         # their leases expire on their own; never given back as orphans.
         self._unwritten: dict[tuple[str, int], tuple[Run, float]] = {}
+        # Counts not yet added to this process's run_stats row (under _guard).
+        self._stats = dict.fromkeys(stats.FIELDS, 0)
         self.loop = executors.EventLoop()
         # first attempts: on the loop (async def) or a thread each
         self._executor = (self.loop if handler.is_async(self.handler)
@@ -150,6 +152,7 @@ class Worker:
         with self._guard:
             self._flights.update((f.run.key, f) for f in flights)
             self._executing += len(flights)
+        self._count(takeovers=sum(1 for r in runs if r.unfinished), died=sum(r.died for r in runs))
         for flight in flights:
             self._taken(flight.run)
             try:
@@ -306,9 +309,28 @@ class Worker:
             for ending in endings:
                 self._flights.pop(ending.flight.run.key, None)
             self._guard.notify_all()
+        self._count(finished=sum(accepted), refused=len(accepted) - sum(accepted))
         ran = [e.flight.run for e in endings if e.kind in ("finish", "release")]
         return {"runs": len(ran), "events": sum(len(run.events) for run in ran),
                 "accepted": sum(accepted)}
+
+    def _count(self, **counts: int) -> None:
+        """Add counts to this process's run_stats row (the console's chart), in a
+        statement of its own; kept for the next write if this one fails."""
+        with self._guard:
+            for name, value in counts.items():
+                self._stats[name] += value
+            pending, self._stats = self._stats, dict.fromkeys(stats.FIELDS, 0)
+        if not any(pending.values()):
+            return
+        try:
+            with db.connection(self.inbox.pool) as conn:
+                stats.record(conn, self.holder, pending)
+        except Exception as exc:  # statistics never stop a run's path
+            log.warning("run statistics not written (%s); kept for the next write", exc)
+            with self._guard:
+                for name, value in pending.items():
+                    self._stats[name] += value
 
     def _finish(self, finishes: list[Ending], now: int | None) -> list[bool]:
         """The fenced finishes in one transaction, retried through database
