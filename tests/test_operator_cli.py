@@ -156,6 +156,28 @@ def test_tables_escape_control_characters(capsys, database_url, inbox):
     assert report["events"][0]["source_id"] == "evil\x1b[2J\nid"  # JSON keeps it exact
 
 
+SPOOFS = "ok\u202egnp.exe\u2066x\u2069\u200e\u200f\x9b2J\x85\x7f\u2028"
+
+
+def test_json_escapes_c1_and_bidi_characters_and_stays_exact(capsys, database_url, inbox):
+    """A terminal cannot be spoofed through --json: C1 controls, DEL, bidi marks,
+    overrides and isolates and line separators come out as \\uXXXX escapes."""
+    ingest(inbox, "u", SPOOFS)
+    inbox.ingest("u", "chat", "payload", {"text": SPOOFS}, kind="k\u202e")
+    outputs = {}
+    for argv in (("events", "--user", "u"), ("status",)):
+        code, outputs[argv[0]], _ = run_cli(capsys, database_url, *argv, "--json")
+        assert code == 0
+        assert not any(0x7f <= ord(c) <= 0x9f or c in "\u200e\u200f\u2028\u2029\u061c"
+                       or 0x202a <= ord(c) <= 0x202e or 0x2066 <= ord(c) <= 0x2069
+                       for c in outputs[argv[0]])
+    assert "ok\\u202egnp.exe\\u2066x\\u2069\\u200e\\u200f\\u009b2J" in outputs["events"]
+    report = run_json(capsys, database_url, "events", "--user", "u")
+    assert {e["source_id"] for e in report["events"]} == {SPOOFS, "payload"}  # exact
+    code, out, _ = run_cli(capsys, database_url, "events", "--user", "u")
+    assert code == 0 and "\u202e" not in out and "\x9b" not in out and "\\u202e" in out
+
+
 def test_dead_list_across_users(capsys, database_url, world):
     report = run_json(capsys, database_url, "dead", "list")
     expected = sorted(((u, i) for u in ("alice", "erin") for i in ids_of(world, u, "dead")),

@@ -16,6 +16,7 @@ import functools
 import getpass
 import json
 import logging
+import re
 import socket
 import sys
 import time
@@ -236,10 +237,22 @@ def _opened(args: argparse.Namespace, name: str):
         yield inbox
 
 
+# What a terminal acts on or reorders text by, beyond the C0 controls json
+# escapes itself: DEL and the C1 controls, bidi marks, embeddings, overrides and
+# isolates, and the line and paragraph separators. Provider data holds any of them.
+_UNSAFE = re.compile("[\x7f-\x9f\u061c\u200e\u200f\u2028\u2029\u202a-\u202e\u2066-\u2069]")
+
+
+def json_text(document: dict) -> str:
+    """`document` as JSON, readable (non-ASCII kept) but with every character of
+    _UNSAFE escaped as \\uXXXX (they occur only inside strings, so it stays JSON)."""
+    text = json.dumps(document, indent=2, ensure_ascii=False)
+    return _UNSAFE.sub(lambda match: "\\u%04x" % ord(match.group()), text)
+
+
 def _emit(args: argparse.Namespace, document: dict, text: str) -> None:
     if args.json:
-        json.dump(document, sys.stdout, indent=2, ensure_ascii=False)
-        sys.stdout.write("\n")
+        sys.stdout.write(json_text(document) + "\n")
     else:
         sys.stdout.write(text if text.endswith("\n") else text + "\n")
 
