@@ -94,6 +94,9 @@ def test_standard_webhooks_accepts_any_signature_while_the_sender_rotates(base, 
     # Old first, then new; and a version this intake does not know is skipped.
     assert standard(base, "alice", "crm", None, raw=body, msg_id="msg_rot", t=t,
                     signature=f"{old} v2,abcd {new}") == (202, {"status": "accepted"})
+    # New first, then old.
+    assert standard(base, "alice", "crm", None, raw=body, msg_id="msg_rot", t=t,
+                    signature=f"{new} {old}") == (200, {"status": "duplicate"})
     # Only signatures that do not match: refused.
     assert standard(base, "alice", "crm", None, raw=body, msg_id="msg_rot2", t=t,
                     signature=f"{old} {wrong}") == (401, {"error": "signature verification failed"})
@@ -360,7 +363,8 @@ def test_entries_are_checked_with_specific_errors_that_never_show_the_secret(tmp
                       "decodes to 12 bytes; at least 16"),
         "placeholder": ({"alice": {"stripe": "whsec_REPLACE-WITH-your-secret"}}, "placeholder"),
         "changeme": ({"bob": {"github": "changeme-changeme-1"}}, "user 'bob'"),
-        "not-base64": ({"alice": {"crm": "plain-text-secret-99"}}, "hmac-body"),
+        # Not base64 (the package would drop the dashes and decode the rest).
+        "not-base64": ({"alice": {"crm": "my-webhook-shared-secret-value-2024"}}, "hmac-body"),
         "unknown-scheme": ({"alice": {"crm": {"scheme": "hmac-sha1", "secret": good}}},
                            "unknown scheme (the schemes are github, stripe, slack, "
                            "standard-webhooks, hmac-body)"),
@@ -380,7 +384,8 @@ def test_entries_are_checked_with_specific_errors_that_never_show_the_secret(tmp
     for name, (data, expected) in cases.items():
         message = refusal(tmp_path, f"{name}.json", json.dumps(data))
         assert expected in message, (name, message)
-        for secret in (good, whsec, "short-Secret-1", "plain-text-secret-99", "changeme-changeme-1"):
+        for secret in (good, whsec, "short-Secret-1", "my-webhook-shared-secret-value-2024",
+                       "changeme-changeme-1"):
             assert secret not in message, (name, message)
     # And what is accepted: a scheme object, a rotation list, both generic schemes.
     path = tmp_path / "ok.toml"
@@ -439,6 +444,26 @@ def test_a_toml_file_cut_off_anywhere_but_between_complete_lines_is_refused(tmp_
     # Refused: every cut inside a line, after a table header, inside [bob.legacy].
     legacy_scheme = raw.index(b'scheme = "hmac-body"\n') + len(b'scheme = "hmac-body"\n')
     assert loaded_at == complete_lines - {legacy_scheme, legacy_scheme + 1}
+
+
+def test_a_file_that_changes_while_it_is_read_is_refused(tmp_path, monkeypatch):
+    from agent_inbox.ingest import secrets as module
+
+    path = tmp_path / "s.toml"
+    path.write_text(TOML)
+    real_fstat = os.fstat
+    calls = []
+
+    def growing_fstat(fd):  # the second look sees a writer's later bytes
+        calls.append(fd)
+        result = real_fstat(fd)
+        if len(calls) == 2:
+            return os.stat_result((*result[:6], result.st_size + 10, *result[7:]))
+        return result
+
+    monkeypatch.setattr(module.os, "fstat", growing_fstat)
+    with pytest.raises(errors.InvalidInput, match="changed while it was being read"):
+        load_secrets(path)
 
 
 def test_a_reload_that_would_remove_users_waits_for_the_writer_to_finish(tmp_path):
