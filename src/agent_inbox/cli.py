@@ -10,6 +10,7 @@ import os
 import sys
 
 from agent_inbox import db, errors, operator
+from agent_inbox.console import command as console_command
 from agent_inbox.ingest import command as ingest_command
 
 
@@ -290,6 +291,7 @@ def build_parser() -> argparse.ArgumentParser:
     dispatcher.set_defaults(run=cmd_dispatcher)
 
     ingest_command.add_parser(commands)
+    console_command.add_parser(commands)
     operator.add_parsers(commands)
     return parser
 

@@ -498,16 +498,20 @@ def cmd_approve(args: argparse.Namespace, name: str) -> int:
         standing = inbox.answer_approval(args.user, args.request, args.answer, now=args.now)
     document = {"user": args.user, "request": args.request, "answer": args.answer,
                 "standing": standing, "stood": standing == args.answer}
-    if standing == "unknown":
-        text = f"unknown: user {args.user!r} has no approval request {args.request!r}"
-    elif standing == args.answer:
-        text = f"{standing}: the answer {standing!r} stands"
-    elif standing == "expired":
-        text = f"expired: the request's deadline passed; {args.answer!r} was not stored"
-    else:
-        text = f"{standing}: the answer {standing!r} already stood; {args.answer!r} was not stored"
-    _emit(args, document, text)
+    _emit(args, document, describe_answer(args.user, args.request, args.answer, standing))
     return EXIT_UNKNOWN if standing == "unknown" else 0
+
+
+def describe_answer(user: str, request: str, answer: str, standing: str) -> str:
+    """What an approver is told after answering (the CLI and the console): the
+    answer that stands, and whether it is the one given."""
+    if standing == "unknown":
+        return f"unknown: user {user!r} has no approval request {request!r}"
+    if standing == answer:
+        return f"{standing}: the answer {standing!r} stands"
+    if standing == "expired":
+        return f"expired: the request's deadline passed; {answer!r} was not stored"
+    return f"{standing}: the answer {standing!r} already stood; {answer!r} was not stored"
 
 
 @_command("prune")

@@ -1,0 +1,439 @@
+"""The web console: a Starlette application over one `Inbox`, server-rendered.
+
+Invariants:
+- no page and no action without authentication (console/auth.py), and no
+  action without the right for it: a role lacking it gets 403, and its pages
+  do not show the button;
+- every action is a POST carrying the session's CSRF token (a bearer request
+  needs none; see auth.py), and a repair is recorded in operator_actions as
+  `console:<name>`, in the transaction that makes it, by the CLI's own SQL;
+- everything shown is escaped (Jinja2 autoescape; payloads are attacker-made
+  webhook bodies), and every response carries a Content-Security-Policy that
+  allows only the console's own scripts, styles and images (no inline ones);
+- pages read through console/queries.py and the CLI's views: plain SELECTs,
+  never a lease row lock.
+
+Database work is blocking psycopg, so every handler runs in the threadpool.
+"""
+
+import json
+import logging
+import urllib.parse
+from dataclasses import dataclass
+from importlib import resources
+
+import jinja2
+from starlette.applications import Starlette
+from starlette.concurrency import run_in_threadpool
+from starlette.middleware import Middleware
+from starlette.requests import Request
+from starlette.responses import JSONResponse, PlainTextResponse, RedirectResponse, Response
+from starlette.routing import Mount, Route
+from starlette.staticfiles import StaticFiles
+from starlette.templating import Jinja2Templates
+
+from agent_inbox import db, errors, operator, tables
+from agent_inbox.console import auth, queries
+from agent_inbox.console.auth import Authenticator, Principal
+from agent_inbox.store import admin, outbox, stats
+
+log = logging.getLogger("agent_inbox.console")
+
+SECURITY_HEADERS = [
+    (b"content-security-policy",
+     b"default-src 'self'; script-src 'self'; style-src 'self'; img-src 'self'; "
+     b"connect-src 'self'; object-src 'none'; base-uri 'none'; form-action 'self'; "
+     b"frame-ancestors 'none'"),
+    (b"x-frame-options", b"DENY"),
+    (b"referrer-policy", b"no-referrer"),
+    (b"x-content-type-options", b"nosniff"),
+    (b"cross-origin-opener-policy", b"same-origin"),
+]
+MAX_FORM = 256 * 1024  # bytes of a POST body: a page of checkboxes fits many times over
+MAX_PICKS = operator.CHUNK  # rows one repair may name
+DEAD_SHOWN = 200
+
+
+@dataclass(frozen=True)
+class Settings:
+    hide_payloads_from_viewers: bool = False
+
+
+class SecurityHeaders:
+    """ASGI middleware: the security headers on every response, and no caching
+    of pages (they hold data only their session may see)."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        static = scope["path"].startswith("/static/")
+
+        async def with_headers(message):
+            if message["type"] == "http.response.start":
+                headers = list(message.get("headers", [])) + SECURITY_HEADERS
+                if not static:
+                    headers.append((b"cache-control", b"no-store"))
+                message = {**message, "headers": headers}
+            await send(message)
+
+        await self.app(scope, receive, with_headers)
+
+
+class Forbidden(Exception):
+    pass
+
+
+class Console:
+    """The routes, over an Inbox (its pool for reads and repairs, answer_approval
+    for answers) and an Authenticator."""
+
+    def __init__(self, inbox, authenticator: Authenticator, settings: Settings):
+        self.inbox = inbox
+        self.auth = authenticator
+        self.settings = settings
+        environment = jinja2.Environment(
+            loader=jinja2.PackageLoader("agent_inbox.console", "templates"),
+            autoescape=True, undefined=jinja2.StrictUndefined)
+        environment.filters.update(when=_when, relative=tables.relative,
+                                   duration=tables.duration, pretty=_pretty)
+        self.templates = Jinja2Templates(env=environment)
+
+    # --- the plumbing -------------------------------------------------------------
+
+    def principal(self, request: Request) -> Principal | None:
+        return (self.auth.from_bearer(request.headers.get("authorization"))
+                or self.auth.from_session(request.cookies.get(auth.COOKIE)))
+
+    def page(self, right: str, handler):
+        """An endpoint: authenticate, check `right`, for a POST read the form and
+        check its CSRF token, then run `handler(request, principal, form)` in the
+        threadpool."""
+        async def endpoint(request: Request) -> Response:
+            principal = self.principal(request)
+            if principal is None:
+                if "authorization" in request.headers or request.url.path.startswith("/api/"):
+                    return JSONResponse({"error": "not authenticated"}, status_code=401,
+                                        headers={"WWW-Authenticate": "Bearer"})
+                target = urllib.parse.quote(request.url.path + (
+                    f"?{request.url.query}" if request.url.query else ""), safe="")
+                return RedirectResponse(f"/login?next={target}", status_code=303)
+            form: dict[str, list[str]] = {}
+            if request.method == "POST":
+                form = await _read_form(request)
+                if form is None:
+                    return self.refuse(request, principal, 413, "the form is too large")
+                if not self.auth.csrf_ok(principal, _one(form, "csrf")):
+                    return self.refuse(request, principal, 403,
+                                       "the form's CSRF token is missing or not this session's: "
+                                       "reload the page and try again")
+            if not principal.can(right):
+                return self.refuse(request, principal, 403, f"your role may not {_VERBS[right]}")
+            try:
+                return await run_in_threadpool(handler, request, principal, form)
+            except errors.DatabaseUnavailable as exc:
+                log.warning("database unavailable: %s", exc)
+                return self.refuse(request, principal, 503, "the database is unavailable")
+            except errors.InvalidInput as exc:
+                return self.refuse(request, principal, 400, str(exc))
+        return endpoint
+
+    def render(self, request: Request, principal: Principal | None, name: str,
+               status_code: int = 200, **context) -> Response:
+        return self.templates.TemplateResponse(request, name, {
+            "me": principal, "csrf": self.auth.csrf_token(principal) if principal else "",
+            "show_payloads": self.shows_payloads(principal), **context},
+            status_code=status_code)
+
+    def refuse(self, request: Request, principal: Principal, status: int, message: str):
+        if "authorization" in request.headers:
+            return JSONResponse({"error": message}, status_code=status)
+        return self.render(request, principal, "error.html", status_code=status,
+                           status=status, message=message)
+
+    def shows_payloads(self, principal: Principal | None) -> bool:
+        return principal is not None and not (
+            self.settings.hide_payloads_from_viewers and principal.rights == {"view"})
+
+    # --- login -------------------------------------------------------------------
+
+    async def login_page(self, request: Request) -> Response:
+        return self.render(request, None, "login.html", next=_safe_next(request), failed=False)
+
+    async def login(self, request: Request) -> Response:
+        """The one form without a session (so without CSRF): a token, checked in
+        constant time; a session cookie on success."""
+        form = await _read_form(request) or {}
+        token = self.auth.by_token(_one(form, "token") or "")
+        target = _safe_next(request, _one(form, "next"))
+        if token is None:
+            return self.render(request, None, "login.html", status_code=401, next=target,
+                               failed=True)
+        response = RedirectResponse(target, status_code=303)
+        response.set_cookie(auth.COOKIE, self.auth.new_session(token),
+                            max_age=self.auth.session_ttl, httponly=True, samesite="strict",
+                            secure=request.url.scheme == "https", path="/")
+        log.info("console login: %s", token.name)
+        return response
+
+    def logout(self, request, principal, form) -> Response:
+        response = RedirectResponse("/login", status_code=303)
+        response.delete_cookie(auth.COOKIE, path="/", httponly=True, samesite="strict")
+        return response
+
+    # --- overview ----------------------------------------------------------------
+
+    def overview(self, request, principal, form) -> Response:
+        with db.connection(self.inbox.pool) as conn:
+            totals = queries.overview(conn)
+            minutes = stats.last_minutes(conn, 60)
+        return self.render(request, principal, "overview.html", totals=totals,
+                           hour=_sums(minutes), now=totals["now"])
+
+    def overview_json(self, request, principal, form) -> Response:
+        with db.connection(self.inbox.pool) as conn:
+            totals = queries.overview(conn)
+            minutes = stats.last_minutes(conn, 60)
+        return JSONResponse({**totals, "hour": _sums(minutes)})
+
+    def chart(self, request, principal, form) -> Response:
+        with db.connection(self.inbox.pool) as conn:
+            minutes = stats.last_minutes(conn, 60)
+        svg = self.templates.get_template("chart.svg").render(**_chart(minutes))
+        return Response(svg, media_type="image/svg+xml")
+
+    # --- users -------------------------------------------------------------------
+
+    def users(self, request, principal, form) -> Response:
+        prefix = request.query_params.get("q", "")
+        after = request.query_params.get("after", "")
+        with db.connection(self.inbox.pool) as conn:
+            rows, now = queries.users(conn, prefix, after, queries.PAGE + 1)
+        more = len(rows) > queries.PAGE
+        rows = rows[:queries.PAGE]
+        next_after = rows[-1]["user"] if more else None
+        return self.render(request, principal, "users.html", users=rows, q=prefix, after=after,
+                           next_after=next_after, now=now)
+
+    def user(self, request, principal, form) -> Response:
+        user = request.query_params.get("u", "")
+        before = _int(request.query_params.get("before"), 2**63 - 1)
+        with db.connection(self.inbox.pool) as conn:
+            lease = queries.lease(conn, user)
+            events = queries.timeline(conn, user, before, queries.PAGE + 1)
+            runs = queries.runs(conn, user)
+            messages = queries.messages(conn, user)
+            timers, timers_total = admin.timers(conn, user, queries.PAGE, None)
+            approvals = queries.user_approvals(conn, user)
+        more = len(events) > queries.PAGE
+        events = events[:queries.PAGE]
+        return self.render(request, principal, "user.html", user=user, lease=lease,
+                           events=events, older=events[-1]["id"] if more else None, runs=runs,
+                           messages=messages, timers=timers, timers_total=timers_total,
+                           approvals=approvals, now=lease["now"] if lease else None)
+
+    # --- dead events -------------------------------------------------------------
+
+    def dead(self, request, principal, form) -> Response:
+        with db.connection(self.inbox.pool) as conn:
+            rows, total = admin.dead(conn, None, DEAD_SHOWN)
+        return self.render(request, principal, "dead.html", events=rows, total=total)
+
+    def dead_confirm(self, request, principal, form) -> Response:
+        action = _action(form, ("requeue", "discard"))
+        pairs = _picked_events(form)
+        with db.connection(self.inbox.pool) as conn:
+            rows = queries.dead_named(conn, pairs)
+        return self.render(request, principal, "dead_confirm.html", action=action, events=rows,
+                           gone=len(pairs) - len(rows))
+
+    def dead_apply(self, request, principal, form) -> Response:
+        action = _action(form, ("requeue", "discard"))
+        pairs = _picked_events(form)
+        with db.transaction(self.inbox.pool) as conn:
+            if action == "requeue":
+                done = admin.requeue(conn, pairs, None, principal.actor)
+            else:
+                done = admin.discard(conn, pairs, principal.actor)
+        log.info("console %s by %s: %d of %d events: %s", action, principal.actor, len(done),
+                 len(pairs), ", ".join(f"{r['user']}/{r['id']}" for r in done))
+        done_keys = {(r["user"], r["id"]) for r in done}
+        return self.render(request, principal, "done.html", what="dead events", action=action,
+                           done=done, left=[p for p in pairs if p not in done_keys],
+                           back="/dead")
+
+    # --- failed outbox batches ---------------------------------------------------
+
+    def failed(self, request, principal, form) -> Response:
+        with db.connection(self.inbox.pool) as conn:
+            rows, total = outbox.failed_batches(conn, None, DEAD_SHOWN)
+        return self.render(request, principal, "outbox.html", batches=rows, total=total)
+
+    def failed_confirm(self, request, principal, form) -> Response:
+        action = _action(form, ("retry", "discard"))
+        picked = _picked_batches(form)
+        with db.connection(self.inbox.pool) as conn:
+            rows, _ = outbox.failed_batches(conn, None, DEAD_SHOWN)
+        rows = [r for r in rows if r["batch"] in picked]
+        return self.render(request, principal, "outbox_confirm.html", action=action,
+                           batches=rows, picked=sorted(picked))
+
+    def failed_apply(self, request, principal, form) -> Response:
+        action = _action(form, ("retry", "discard"))
+        picked = sorted(_picked_batches(form))
+        with db.transaction(self.inbox.pool) as conn:
+            done = outbox.repair_failed(conn, picked, retry=action == "retry",
+                                        actor=principal.actor, now=None)
+        log.info("console outbox %s by %s: batches %s", action, principal.actor,
+                 [r["batch"] for r in done])
+        done_batches = {r["batch"] for r in done}
+        return self.render(request, principal, "done.html", what="failed batches",
+                           action=action, done=done,
+                           left=[b for b in picked if b not in done_batches], back="/outbox")
+
+    # --- approvals ---------------------------------------------------------------
+
+    def approvals(self, request, principal, form, notice: str | None = None) -> Response:
+        with db.connection(self.inbox.pool) as conn:
+            rows = queries.unanswered(conn)
+        return self.render(request, principal, "approvals.html", requests=rows, notice=notice)
+
+    def answer(self, request, principal, form) -> Response:
+        user, request_id = _one(form, "user") or "", _one(form, "request") or ""
+        answer = _action(form, ("yes", "no"), field="answer")
+        standing = self.inbox.answer_approval(user, request_id, answer)
+        log.info("console approval by %s: user=%r request=%r answer=%s standing=%s",
+                 principal.actor, user, request_id, answer, standing)
+        notice = operator.describe_answer(user, request_id, answer, standing)
+        return self.approvals(request, principal, form, notice=notice)
+
+
+_VERBS = {"view": "view the console", "repair": "repair dead events or failed batches",
+          "approve": "answer approval requests"}
+
+
+def build_app(inbox, authenticator: Authenticator, settings: Settings = Settings()) -> Starlette:
+    console = Console(inbox, authenticator, settings)
+    page = console.page
+    static = resources.files("agent_inbox.console") / "static"
+    routes = [
+        Route("/login", console.login_page, methods=["GET"]),
+        Route("/login", console.login, methods=["POST"]),
+        Route("/logout", page("view", console.logout), methods=["POST"]),
+        Route("/", page("view", console.overview)),
+        Route("/api/overview", page("view", console.overview_json)),
+        Route("/overview/chart.svg", page("view", console.chart)),
+        Route("/users", page("view", console.users)),
+        Route("/user", page("view", console.user)),
+        Route("/dead", page("view", console.dead)),
+        Route("/dead/confirm", page("repair", console.dead_confirm), methods=["POST"]),
+        Route("/dead/apply", page("repair", console.dead_apply), methods=["POST"]),
+        Route("/outbox", page("view", console.failed)),
+        Route("/outbox/confirm", page("repair", console.failed_confirm), methods=["POST"]),
+        Route("/outbox/apply", page("repair", console.failed_apply), methods=["POST"]),
+        Route("/approvals", page("view", console.approvals)),
+        Route("/approvals/answer", page("approve", console.answer), methods=["POST"]),
+        Route("/healthz", lambda request: PlainTextResponse("ok")),
+        Mount("/static", StaticFiles(directory=str(static)), name="static"),
+    ]
+    return Starlette(routes=routes, middleware=[Middleware(SecurityHeaders)])
+
+
+# --- forms -------------------------------------------------------------------------
+
+
+async def _read_form(request: Request) -> dict[str, list[str]] | None:
+    """An application/x-www-form-urlencoded body (what the console's forms send),
+    at most MAX_FORM bytes; None if larger."""
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > MAX_FORM:
+            return None
+    return urllib.parse.parse_qs(body.decode("utf-8", "replace"), keep_blank_values=True)
+
+
+def _one(form: dict, name: str) -> str | None:
+    values = form.get(name)
+    return values[0] if values else None
+
+
+def _action(form: dict, allowed: tuple[str, ...], field: str = "action") -> str:
+    value = _one(form, field)
+    if value not in allowed:
+        raise errors.InvalidInput(field, value, f"must be one of {', '.join(allowed)}")
+    return value
+
+
+def _picked_events(form: dict) -> list[tuple[str, int]]:
+    """The checked events: `pick` values '<id>:<user>' (an id has no ':')."""
+    pairs = []
+    for value in form.get("pick", []):
+        event_id, _, user = value.partition(":")
+        if not event_id.isdigit() or not user:
+            raise errors.InvalidInput("pick", value, "must be <event id>:<user>")
+        pairs.append((user, int(event_id)))
+    return _bounded(sorted(set(pairs)))
+
+
+def _picked_batches(form: dict) -> set[int]:
+    values = form.get("pick", [])
+    if not all(v.isdigit() for v in values):
+        raise errors.InvalidInput("pick", values, "must be batch ids")
+    return set(_bounded(sorted({int(v) for v in values})))
+
+
+def _bounded(picked: list) -> list:
+    if not picked:
+        raise errors.InvalidInput("pick", None, "must name at least one row: tick some")
+    if len(picked) > MAX_PICKS:
+        raise errors.InvalidInput("pick", len(picked), f"must name at most {MAX_PICKS} rows")
+    return picked
+
+
+def _safe_next(request: Request, value: str | None = None) -> str:
+    """Where to go after logging in: a path on this console only."""
+    target = value if value is not None else request.query_params.get("next", "/")
+    if not target.startswith("/") or target.startswith("//") or "\\" in target:
+        return "/"
+    return target
+
+
+def _int(value: str | None, default: int) -> int:
+    return int(value) if value and value.isdigit() and int(value) < 2**63 else default
+
+
+# --- presentation ------------------------------------------------------------------
+
+
+def _when(epoch) -> str:
+    return "-" if epoch is None else tables.when(epoch)
+
+
+def _pretty(value) -> str:
+    return json.dumps(value, indent=2, ensure_ascii=False, sort_keys=True)
+
+
+def _sums(minutes: list[dict]) -> dict:
+    return {name: sum(m[name] for m in minutes) for name in stats.FIELDS}
+
+
+SERIES = (("finished", "#2e7d32"), ("refused", "#c62828"), ("takeovers", "#ef6c00"),
+          ("died", "#6a1b9a"))
+CHART_W, CHART_H, PAD = 600, 160, 30
+
+
+def _chart(minutes: list[dict]) -> dict:
+    """Polylines for the last hour, one per series, scaled to the largest count."""
+    top = max([1] + [m[name] for m in minutes for name, _ in SERIES])
+    step = (CHART_W - 2 * PAD) / max(1, len(minutes) - 1)
+
+    def point(i, value):
+        return f"{PAD + i * step:.1f},{CHART_H - PAD - value * (CHART_H - 2 * PAD) / top:.1f}"
+
+    lines = [{"name": name, "color": color, "total": sum(m[name] for m in minutes),
+              "points": " ".join(point(i, m[name]) for i, m in enumerate(minutes))}
+             for name, color in SERIES]
+    return {"lines": lines, "top": top, "width": CHART_W, "height": CHART_H, "pad": PAD}

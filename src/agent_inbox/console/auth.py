@@ -1,0 +1,198 @@
+"""Who may use the console, and how a request proves it.
+
+Invariant: no page and no action without authentication. A request is
+authenticated by `Authorization: Bearer <token>` (scripts) or by a session
+cookie the login form set (browsers); anything else gets the login page (a
+browser) or 401 (a script). Every POST from a session must carry the session's
+CSRF token; a bearer request need not, as a browser never attaches a bearer
+token on its own, so a forged cross-site request cannot carry one.
+
+Tokens: `name:role:token` lines (AGENT_INBOX_CONSOLE_TOKENS, comma-separated, or
+one a line in --tokens-file). Roles, each a set of rights:
+
+    viewer    view every page (payloads hidden with --hide-payloads-from-viewers)
+    operator  view, and requeue/discard dead events, retry/discard failed batches
+    approver  view, and answer approval requests
+
+A person with both duties holds `operator+approver`. Tokens are compared in
+constant time (hmac.compare_digest over every configured token).
+
+A session cookie is `<body>.<mac>`: body is base64url JSON {name, token
+fingerprint, expiry, nonce}, mac an HMAC-SHA256 of it under the console's key
+(AGENT_INBOX_CONSOLE_SECRET, else random at each start, so a restart ends every
+session). It is HttpOnly, SameSite=Strict, and Secure unless served over plain
+HTTP on loopback; a token's rotation ends its sessions (the fingerprint). The
+CSRF token is an HMAC of the session's nonce.
+"""
+
+import base64
+import hashlib
+import hmac
+import json
+import secrets
+import time
+from dataclasses import dataclass
+
+from agent_inbox import errors
+
+RIGHTS = {"viewer": {"view"}, "operator": {"view", "repair"}, "approver": {"view", "approve"}}
+MIN_TOKEN = 16
+MIN_SECRET = 32
+COOKIE = "agent_inbox_console"
+TOKENS_ENV = "AGENT_INBOX_CONSOLE_TOKENS"
+SECRET_ENV = "AGENT_INBOX_CONSOLE_SECRET"
+
+
+@dataclass(frozen=True)
+class Principal:
+    """Someone authenticated: a token's name, its rights, and how they came."""
+
+    name: str
+    rights: frozenset
+    nonce: str | None = None  # the session's; None for a bearer request
+
+    def can(self, right: str) -> bool:
+        return right in self.rights
+
+    @property
+    def actor(self) -> str:
+        """Who is recorded in operator_actions for this principal's repairs."""
+        return f"console:{self.name}"
+
+
+@dataclass(frozen=True)
+class Token:
+    name: str
+    roles: tuple[str, ...]
+    secret: str
+
+    @property
+    def rights(self) -> frozenset:
+        return frozenset().union(*(RIGHTS[role] for role in self.roles))
+
+
+def parse_tokens(text: str, origin: str) -> list[Token]:
+    """The `name:role:token` entries of `text` (commas or newlines between them;
+    blank lines and lines starting with '#' skipped). InvalidInput names the
+    entry and what is wrong with it; the token itself is never echoed."""
+    tokens: list[Token] = []
+    entries = [e.strip() for line in text.splitlines() for e in line.split(",")]
+    for number, entry in enumerate((e for e in entries if e and not e.startswith("#")), 1):
+        parts = entry.split(":", 2)
+        where = f"{origin}, entry {number}"
+        if len(parts) != 3 or not parts[0].strip():
+            raise errors.InvalidInput(where, "(not shown)", "must be name:role:token")
+        name, role_text, secret = parts[0].strip(), parts[1].strip(), parts[2].strip()
+        roles = tuple(role_text.split("+"))
+        unknown = [r for r in roles if r not in RIGHTS]
+        if unknown:
+            raise errors.InvalidInput(where, name, f"has unknown role {unknown[0]!r} (roles: "
+                                                   f"{', '.join(RIGHTS)}, joined with '+')")
+        if len(secret) < MIN_TOKEN:
+            raise errors.InvalidInput(where, name, f"has a token shorter than {MIN_TOKEN} "
+                                                   "characters")
+        if any(t.name == name for t in tokens):
+            raise errors.InvalidInput(where, name, "repeats a name given before")
+        if any(hmac.compare_digest(t.secret, secret) for t in tokens):
+            raise errors.InvalidInput(where, name, "repeats another entry's token")
+        tokens.append(Token(name, roles, secret))
+    return tokens
+
+
+def load_tokens(env_value: str | None, tokens_file: str | None) -> list[Token]:
+    """The tokens of the file and the environment; InvalidInput if there are none."""
+    tokens: list[Token] = []
+    if tokens_file:
+        try:
+            with open(tokens_file, encoding="utf-8") as handle:
+                tokens += parse_tokens(handle.read(), f"--tokens-file {tokens_file}")
+        except OSError as exc:
+            raise errors.InvalidInput("--tokens-file", tokens_file,
+                                      f"cannot be read: {exc.strerror}") from None
+    if env_value:
+        tokens += parse_tokens(env_value, TOKENS_ENV)
+    names = [t.name for t in tokens]
+    if len(set(names)) != len(names):
+        raise errors.InvalidInput("tokens", sorted(n for n in names if names.count(n) > 1)[0],
+                                  "is a name given both in the file and the environment")
+    if not tokens:
+        raise errors.InvalidInput("tokens", None, f"none configured: set {TOKENS_ENV} "
+                                                  "or --tokens-file (name:role:token lines)")
+    return tokens
+
+
+class Authenticator:
+    """Checks bearer tokens and session cookies, makes sessions and CSRF tokens."""
+
+    def __init__(self, tokens: list[Token], *, session_ttl: int, key: bytes | None = None):
+        self.tokens = tokens
+        self.session_ttl = session_ttl
+        self.key = key or secrets.token_bytes(32)
+
+    def by_token(self, presented: str) -> Token | None:
+        """The token matching `presented`, comparing with every one in constant time."""
+        found = None
+        for token in self.tokens:
+            if hmac.compare_digest(token.secret.encode(), presented.encode()):
+                found = token
+        return found
+
+    def _fingerprint(self, token: Token) -> str:
+        return self._mac(b"token:" + token.secret.encode())[:22]
+
+    def _mac(self, data: bytes) -> str:
+        digest = hmac.new(self.key, data, hashlib.sha256).digest()
+        return base64.urlsafe_b64encode(digest).rstrip(b"=").decode()
+
+    def new_session(self, token: Token, now: float | None = None) -> str:
+        """A cookie value for a session of `token`, valid for session_ttl seconds."""
+        expiry = int((now or time.time()) + self.session_ttl)
+        body = json.dumps({"n": token.name, "f": self._fingerprint(token), "e": expiry,
+                           "c": secrets.token_urlsafe(16)}, separators=(",", ":")).encode()
+        encoded = base64.urlsafe_b64encode(body).rstrip(b"=").decode()
+        return f"{encoded}.{self._mac(encoded.encode())}"
+
+    def from_session(self, cookie: str | None, now: float | None = None) -> Principal | None:
+        """The session's principal, or None if the cookie is missing, forged,
+        expired, or of a token no longer configured as it was."""
+        if not cookie or cookie.count(".") != 1:
+            return None
+        encoded, mac = cookie.split(".")
+        if not hmac.compare_digest(mac, self._mac(encoded.encode())):
+            return None
+        try:
+            body = json.loads(base64.urlsafe_b64decode(encoded + "=" * (-len(encoded) % 4)))
+        except ValueError:
+            return None
+        if body["e"] < (now or time.time()):
+            return None
+        token = next((t for t in self.tokens if t.name == body["n"]), None)
+        if token is None or not hmac.compare_digest(self._fingerprint(token), body["f"]):
+            return None
+        return Principal(token.name, token.rights, body["c"])
+
+    def from_bearer(self, header: str | None) -> Principal | None:
+        if not header or not header.startswith("Bearer "):
+            return None
+        token = self.by_token(header[len("Bearer "):].strip())
+        return None if token is None else Principal(token.name, token.rights)
+
+    def csrf_token(self, principal: Principal) -> str:
+        return self._mac(b"csrf:" + principal.nonce.encode()) if principal.nonce else ""
+
+    def csrf_ok(self, principal: Principal, presented: str | None) -> bool:
+        """A bearer request needs none; a session's POST must carry its own."""
+        if principal.nonce is None:
+            return True
+        return bool(presented) and hmac.compare_digest(self.csrf_token(principal), presented)
+
+
+def key_from_env(value: str | None) -> bytes | None:
+    """The session key from AGENT_INBOX_CONSOLE_SECRET (kept across restarts), or
+    None for a random one; InvalidInput if it is too short to be a key."""
+    if value is None or value == "":
+        return None
+    if len(value) < MIN_SECRET:
+        raise errors.InvalidInput(SECRET_ENV, "(not shown)",
+                                  f"must be at least {MIN_SECRET} characters")
+    return value.encode()
