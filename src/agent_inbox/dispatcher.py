@@ -185,9 +185,9 @@ class Dispatcher:
         return self.run_once()
 
     def serve(self, url: str | None) -> None:
-        """Until stopped; then the sends in flight end and are recorded."""
-        if url is not None:
-            Listener(url, [notify.OUTBOX], self.waker.wake_one, self.stop).start()
+        """Until stopped; then the sends in flight end and are recorded. LISTEN
+        on `url` (None: poll only, as behind a transaction pooler)."""
+        Listener(url, [notify.OUTBOX], self.waker.wake_one, self.stop).start()
         try:
             serve("dispatcher", self._pass, self.waker.wait, self.stop, self.poll_interval)
             self._drain()

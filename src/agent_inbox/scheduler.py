@@ -42,6 +42,6 @@ class Scheduler:
         backoff = jittered(HELD_BACKOFF)
         return backoff if seconds is None else min(seconds, backoff)
 
-    def serve(self, url: str) -> None:
+    def serve(self, url: str | None) -> None:
         Listener(url, [notify.TIMERS], self.waker.wake_one, self.stop).start()
         serve("scheduler", self.run_once, self.waker.wait, self.stop, self.poll_interval)
