@@ -215,7 +215,22 @@ def test_our_standard_webhooks_check_equals_the_package_on_its_deliveries_and_mu
                 (key,), vbody, vid.encode(), vt, vsig, now=time.time())
             assert ours == theirs, (secret, vid, vt, vsig, vbody)
             cases += 1
+        # Headers the package never produces: ours is stricter (refuses), never looser.
+        for vt, vsig in ((str(t), f"{good} v1,"), (str(t), f"{good}  {other}"),
+                         ("0" + str(t), good), (str(t), good.replace("=", "") + "*"),
+                         (f"{t}.0", good)):
+            ours = signatures.verify_standard_webhooks(
+                (key,), body, msg_id.encode(), vt, vsig, now=time.time())
+            assert not ours, (vt, vsig)
     assert cases == 3000
+
+
+def test_github_signature_matches_githubs_documented_test_vector():
+    # docs.github.com, "Validating webhook deliveries": this secret, this body, this digest.
+    digest = "sha256=757107ea0eb2509fc211221cce984b8a37570b6d7586c22c46f4379c8b043e17"
+    assert signatures.verify_github_any((b"It's a Secret to Everybody",) + (b"x" * 32,),
+                                        b"Hello, World!", digest)
+    assert not signatures.verify_github_any((b"x" * 32, b"y" * 32), b"Hello, World!", digest)
 
 
 # --- Slack ----------------------------------------------------------------------------

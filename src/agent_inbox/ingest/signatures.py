@@ -135,7 +135,7 @@ def _standard_signatures(header: str) -> list[bytes] | None:
         version, value = parts
         if version != "v1":
             continue
-        if not _BASE64.fullmatch(value.rstrip("=")) or len(value) % 4:
+        if not value or not _BASE64.fullmatch(value.rstrip("=")) or len(value) % 4:
             return None
         try:
             found.append(base64.b64decode(value, validate=True))
