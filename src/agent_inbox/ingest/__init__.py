@@ -16,4 +16,4 @@ DEFAULT_STRIPE_TOLERANCE = 300  # seconds
 DEFAULT_HEADER_TIMEOUT = 10.0  # seconds for a request's headers
 DEFAULT_BODY_TIMEOUT = 10.0  # seconds for a whole body, after its headers
 DEFAULT_MAX_CONNECTIONS = 1000
-DEFAULT_MAX_BUFFERED = 64 << 20  # 64 MiB of requests held at once
+DEFAULT_MAX_BUFFERED = 32 << 20  # 32 MiB of requests held at once

@@ -50,7 +50,7 @@ log = logging.getLogger("agent_inbox.ingest")
 
 # Bytes read from a socket at once (asyncio's default is 256 KiB): what one
 # connection can add to its buffer before backpressure stops it.
-READ_SIZE = 64 << 10
+READ_SIZE = 16 << 10
 # Seconds a refused connection gets to take its answer before it is cut off.
 CLOSE_GRACE = 2.0
 # The longest header block, in bytes (h11's default): past it, 400.
