@@ -1,0 +1,112 @@
+"""A console process on a free loopback port over the test's database, and a
+headless Chromium (the machine's own, Debian's package) driven by Playwright.
+
+Tokens: ann (operator+approver), bea (approver), vic (viewer).
+"""
+
+import os
+import re
+import subprocess
+import sys
+import urllib.request
+
+import pytest
+
+CHROMIUM = os.environ.get("AGENT_INBOX_TEST_CHROMIUM", "/usr/bin/chromium")
+CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                 "--disable-component-update", "--disable-sync", "--no-first-run"]
+TOKENS = {"ann": ("operator+approver", "ann-token-0123456789"),
+          "bea": ("approver", "bea-token-0123456789"),
+          "vic": ("viewer", "vic-token-0123456789")}
+START_TIMEOUT = 30
+
+
+class ConsoleProcess:
+    """`agent-inbox console --port 0`, its address read from uvicorn's log line."""
+
+    def __init__(self, database_url: str, *extra: str):
+        env = {**os.environ, "AGENT_INBOX_CONSOLE_TOKENS": ",".join(
+            f"{name}:{role}:{token}" for name, (role, token) in TOKENS.items())}
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "agent_inbox.cli", "console", "--database-url", database_url,
+             "--host", "127.0.0.1", "--port", "0", *extra],
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
+        self.url = self._address()
+
+    def _address(self) -> str:
+        lines = []
+        for line in self.process.stderr:  # ends if the process exits
+            lines.append(line)
+            found = re.search(r"Uvicorn running on (http://127\.0\.0\.1:\d+)", line)
+            if found:
+                return found.group(1)
+        self.process.wait(timeout=START_TIMEOUT)
+        raise AssertionError("the console did not start:\n" + "".join(lines))
+
+    def get(self, path: str, token: str | None = None, timeout: float = 5.0):
+        """(status, body) of a GET, with a bearer token if given."""
+        request = urllib.request.Request(self.url + path, headers={
+            "Authorization": f"Bearer {token}"} if token else {})
+        try:
+            with _no_redirects().open(request, timeout=timeout) as answer:
+                return answer.status, answer.read().decode()
+        except urllib.error.HTTPError as exc:
+            return exc.code, exc.read().decode()
+
+    def stop(self) -> None:
+        self.process.terminate()
+        try:
+            self.process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait(timeout=10)
+        self.process.stderr.close()
+
+
+def _no_redirects():
+    class Keep(urllib.request.HTTPRedirectHandler):
+        def redirect_request(self, *args, **kwargs):
+            return None
+    return urllib.request.build_opener(Keep)
+
+
+@pytest.fixture
+def console(database_url):
+    started = ConsoleProcess(database_url)
+    yield started
+    started.stop()
+
+
+@pytest.fixture(scope="session")
+def browser():
+    from playwright.sync_api import sync_playwright
+
+    if not os.path.exists(CHROMIUM):
+        pytest.fail(f"no Chromium at {CHROMIUM} (apt-get install chromium)")
+    with sync_playwright() as playwright:
+        launched = playwright.chromium.launch(executable_path=CHROMIUM, headless=True,
+                                              args=CHROMIUM_ARGS)
+        yield launched
+        launched.close()
+
+
+@pytest.fixture
+def login(browser, console):
+    """login(name) -> a Playwright page logged in as that token's name."""
+    contexts = []
+
+    def log_in(name: str):
+        context = browser.new_context(viewport={"width": 1280, "height": 900})
+        context.set_default_timeout(10_000)
+        contexts.append(context)
+        page = context.new_page()
+        page.goto(console.url + "/")
+        assert "/login" in page.url
+        page.fill("input[name=token]", TOKENS[name][1])
+        page.click("button[type=submit]")
+        page.wait_for_url(console.url + "/")
+        return page
+
+    yield log_in
+    for context in contexts:
+        context.close()

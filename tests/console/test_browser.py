@@ -1,0 +1,199 @@
+"""The console in a real browser (headless Chromium): log in, read, repair,
+answer, and the protections: escaping, CSP, roles, CSRF."""
+
+import psycopg
+import pytest
+
+from tests.console.conftest import TOKENS
+from tests.test_operator_cli import exhaust
+
+T = 1_000_000
+XSS = '<img src=x onerror=alert(1)> and <script>alert(2)</script>'
+
+
+@pytest.fixture
+def world(inbox):
+    """alice: 2 dead events and one pending whose payload is hostile markup;
+    bob: one event running under a live lease; carol: an approval request."""
+    for key in ("a-dead-1", "a-dead-2"):
+        inbox.ingest("alice", "chat", key, {"text": key})
+    exhaust(inbox, "alice", T)
+    inbox.ingest("alice", "chat", "a-xss", {"text": XSS, XSS: "key"})
+    inbox.ingest("bob", "chat", "b-run", {"text": "hi"})
+    gen = inbox.acquire("bob", "w-bob")
+    assert inbox.claim_batch("bob", "w-bob", gen)
+    inbox.request_approval("carol", "refund-881", expires_in=3600, action="refund order 881?")
+    return inbox
+
+
+def counts(url):
+    with psycopg.connect(url) as conn:
+        return dict(conn.execute("SELECT status, count(*) FROM events GROUP BY status").fetchall())
+
+
+def test_login_sets_a_strict_httponly_session(login, console):
+    page = login("ann")
+    [cookie] = page.context.cookies()
+    assert (cookie["httpOnly"], cookie["sameSite"]) == (True, "Strict")
+    assert page.locator(".who").inner_text().startswith("ann")
+    page.click("text=Log out")
+    page.wait_for_url("**/login")
+    page.goto(console.url + "/dead")
+    assert "/login" in page.url
+
+
+def test_a_wrong_token_is_refused(browser, console):
+    page = browser.new_page()
+    try:
+        page.goto(console.url + "/login")
+        page.fill("input[name=token]", "not-a-token-at-all-0000")
+        page.click("button[type=submit]")
+        assert page.locator(".notice.bad").inner_text() == "That token is not recognised."
+        assert page.context.cookies() == []
+    finally:
+        page.close()
+
+
+def test_overview_totals_equal_the_database(login, world, database_url):
+    page = login("vic")
+    by_status = counts(database_url)
+    shown = {field: page.locator(f"[data-field={field}]").inner_text()
+             for field in ("pending", "running", "dead", "outbox_held", "outbox_failed", "workers")}
+    assert shown == {"pending": str(by_status.get("pending", 0)),
+                     "running": str(by_status.get("running", 0)),
+                     "dead": str(by_status.get("dead", 0)), "outbox_held": "0",
+                     "outbox_failed": "0", "workers": "1"}
+    assert by_status["dead"] == 2 and by_status["running"] == 1
+
+
+def test_open_a_user_from_the_list(login, world, console):
+    page = login("vic")
+    page.click("nav >> text=Users")
+    page.fill("input[name=q]", "al")
+    page.click("text=Search")
+    assert page.locator("#users tbody tr").count() == 1
+    page.click("#users >> text=alice")
+    assert page.locator("#user-id").inner_text() == "alice"
+    assert page.locator("#events tbody tr").count() == 3
+    assert page.locator("#events .badge.dead").count() == 2
+
+
+def test_hostile_payload_renders_as_text_and_runs_nothing(login, world, console):
+    page = login("ann")
+    dialogs = []
+    page.on("dialog", lambda dialog: (dialogs.append(dialog.message), dialog.dismiss()))
+    page.goto(console.url + "/user?u=alice")
+    row = page.locator("#events tbody tr", has_text="a-xss")
+    row.locator("summary").click()
+    text = row.locator("pre.payload").inner_text()
+    assert "<img src=x onerror=alert(1)>" in text and "<script>alert(2)</script>" in text
+    assert row.locator("pre.payload img, pre.payload script").count() == 0
+    assert page.locator("img[src=x]").count() == 0
+    page.reload()
+    page.locator("#events summary").first.click()
+    assert dialogs == []
+
+
+def test_pages_carry_a_strict_content_security_policy(login, console):
+    page = login("vic")
+    answer = page.request.get(console.url + "/users")
+    policy = answer.headers["content-security-policy"]
+    assert "default-src 'self'" in policy and "frame-ancestors 'none'" in policy
+    assert "unsafe-inline" not in policy
+    assert answer.headers["x-frame-options"] == "DENY"
+    assert answer.headers["referrer-policy"] == "no-referrer"
+
+
+def test_requeue_a_dead_event(login, world, database_url):
+    page = login("ann")
+    page.click("nav >> text=Dead events")
+    [first, _] = world.events("alice", status="dead")
+    page.check(f"input[name=pick][value='{first.id}:alice']")
+    page.click("#requeue")
+    assert page.locator("h1").inner_text() == "Requeue 1 dead event?"
+    page.click("#confirm")
+    assert "1 dead events requeued" in page.locator("#result").inner_text()
+    event = next(e for e in world.events("alice") if e.id == first.id)
+    assert (event.status, event.attempts, event.error) == ("pending", 0, None)
+    with psycopg.connect(database_url) as conn:
+        assert conn.execute("SELECT actor, action, event_id FROM operator_actions").fetchall() \
+            == [("console:ann", "requeue", first.id)]
+
+
+def test_discard_many_dead_events_at_once(login, world, database_url):
+    page = login("ann")
+    page.goto(page.url + "dead")
+    for box in page.locator("input[name=pick]").all():
+        box.check()
+    page.click("#discard")
+    assert page.locator("h1").inner_text() == "Discard 2 dead events?"
+    page.click("#confirm")
+    assert world.events("alice", status="dead") == []
+    with psycopg.connect(database_url) as conn:
+        assert conn.execute("SELECT actor, action FROM operator_actions").fetchall() \
+            == [("console:ann", "discard")] * 2
+
+
+def test_a_viewer_has_no_repair_buttons_and_a_forged_post_is_refused(login, world, console):
+    page = login("vic")
+    page.goto(console.url + "/dead")
+    assert page.locator("#dead tbody tr").count() == 2
+    assert page.locator("#requeue, #discard, input[name=pick]").count() == 0
+    page.goto(console.url + "/approvals")
+    assert page.locator("button.approve").count() == 0
+    csrf = page.locator("input[name=csrf]").first.input_value()  # the viewer's own session
+    [dead, _] = world.events("alice", status="dead")
+    answer = page.request.post(console.url + "/dead/apply", form={
+        "csrf": csrf, "action": "requeue", "pick": f"{dead.id}:alice"})
+    assert answer.status == 403
+    answer = page.request.post(console.url + "/approvals/answer", form={
+        "csrf": csrf, "user": "carol", "request": "refund-881", "answer": "yes"})
+    assert answer.status == 403
+    assert len(world.events("alice", status="dead")) == 2
+    assert [e for e in world.events("carol") if e.source == "approval"] == []
+
+
+def test_a_post_without_the_csrf_token_is_refused(login, world, console):
+    page = login("ann")
+    [dead, _] = world.events("alice", status="dead")
+    for form in ({"action": "requeue", "pick": f"{dead.id}:alice"},
+                 {"action": "requeue", "pick": f"{dead.id}:alice", "csrf": "forged"}):
+        answer = page.request.post(console.url + "/dead/apply", form=form)
+        assert answer.status == 403, form
+        assert "CSRF" in answer.text()
+    assert len(world.events("alice", status="dead")) == 2
+
+
+def test_approve_shows_the_answer_that_stands(login, world, database_url):
+    page = login("bea")
+    page.click("nav >> text=Approvals")
+    row = page.locator("#requests tbody tr", has_text="refund-881")
+    assert "refund order 881?" in row.inner_text()
+    row.locator("button.approve").click()
+    assert page.locator("#standing").inner_text() == "yes: the answer 'yes' stands"
+    with psycopg.connect(database_url) as conn:
+        stored = conn.execute("SELECT status, payload->>'answer' FROM events WHERE "
+                              "user_id = 'carol' AND source = 'approval' "
+                              "AND source_id = 'refund-881'").fetchall()
+    assert stored == [("pending", "yes")]  # the answer, in carol's inbox for her next run
+    assert page.locator("#requests tbody tr", has_text="refund-881").count() == 0
+
+
+def test_a_late_second_approver_is_told_the_answer_that_stands(login, world):
+    first, second = login("bea"), login("ann")
+    for page in (first, second):
+        page.click("nav >> text=Approvals")
+    first.locator("#requests tr", has_text="refund-881").locator("button.approve").click()
+    second.locator("#requests tr", has_text="refund-881").locator("button.danger").click()
+    assert second.locator("#standing").inner_text() == \
+        "yes: the answer 'yes' already stood; 'no' was not stored"
+
+
+def test_every_page_needs_authentication(console, world):
+    for path in ("/", "/users", "/user?u=alice", "/dead", "/outbox", "/approvals",
+                 "/overview/chart.svg"):
+        status, _ = console.get(path)
+        assert status == 303, path  # to the login form
+        assert console.get(path, token="wrong-token-0123456789")[0] == 401, path
+        assert console.get(path, token=TOKENS["vic"][1])[0] == 200, path
+    assert console.get("/api/overview")[0] == 401
