@@ -263,6 +263,8 @@ def protocol_class(limits: Limits) -> type[LimitedH11Protocol]:
 
 def config(app, limits: Limits, **options) -> uvicorn.Config:
     """A uvicorn.Config serving `app` over LimitedH11Protocol under `limits`;
-    `options` are uvicorn.Config's (host, port, log_level, ...)."""
+    `options` are uvicorn.Config's (host, port, log_level, ...). No WebSocket:
+    an upgrade would leave this protocol's deadlines behind."""
+    options.setdefault("ws", "none")
     return uvicorn.Config(app, http=protocol_class(limits),
                           h11_max_incomplete_event_size=MAX_HEADER_BYTES, **options)
