@@ -123,3 +123,14 @@ def test_names_and_keys_at_their_limits_are_stored(inbox):
 def test_bad_configuration_is_refused(database_url):
     with pytest.raises(InvalidInput, match="lease_ttl must be a positive integer"):
         Inbox.connect(database_url, lease_ttl=0)
+
+
+def test_a_value_postgresql_refuses_is_refused_not_unavailable(inbox):
+    """A user name too long for the lease index (no API limit on acquire) is a
+    DatabaseRefused naming PostgreSQL's code, not DatabaseUnavailable: retrying
+    it can never succeed."""
+    from agent_inbox import DatabaseRefused
+
+    with pytest.raises(DatabaseRefused) as refused:
+        inbox.acquire("u" * 9000 + "".join(chr(0x4e00 + i) for i in range(3000)), "w")
+    assert refused.value.sqlstate == "54000"

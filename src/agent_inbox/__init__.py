@@ -13,9 +13,9 @@ from typing import TYPE_CHECKING
 
 _EXPORTS = {
     "agent_inbox.errors": [
-        "AgentInboxError", "DatabaseUnavailable", "InvalidAnswer", "InvalidInput",
-        "InvalidPayload", "InvalidTime", "InvalidTimer", "PayloadTooLarge", "PermanentSendError",
-        "SchemaNotAtHead", "TransactionConflict",
+        "AgentInboxError", "DatabaseRefused", "DatabaseUnavailable", "InvalidAnswer",
+        "InvalidInput", "InvalidPayload", "InvalidTime", "InvalidTimer", "PayloadTooLarge",
+        "PermanentSendError", "SchemaNotAtHead", "TransactionConflict",
     ],
     "agent_inbox.handler": ["Context"],
     "agent_inbox.inbox": ["Inbox"],
@@ -41,10 +41,10 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:
-    from agent_inbox.errors import (AgentInboxError, DatabaseUnavailable, InvalidAnswer,
-                                    InvalidInput, InvalidPayload, InvalidTime, InvalidTimer,
-                                    PayloadTooLarge, PermanentSendError, SchemaNotAtHead,
-                                    TransactionConflict)
+    from agent_inbox.errors import (AgentInboxError, DatabaseRefused, DatabaseUnavailable,
+                                    InvalidAnswer, InvalidInput, InvalidPayload, InvalidTime,
+                                    InvalidTimer, PayloadTooLarge, PermanentSendError,
+                                    SchemaNotAtHead, TransactionConflict)
     from agent_inbox.handler import Context
     from agent_inbox.inbox import Inbox
     from agent_inbox.records import Event, Lease, OutboxMessage, Timer

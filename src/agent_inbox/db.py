@@ -59,17 +59,29 @@ def open_pool(url: str, *, size: int, name: str = "agent-inbox", timeout: float 
     return pool
 
 
+# SQLSTATE classes of a statement refused for its content, however often it is
+# sent: data exception, program limit exceeded (54000: an index row too large,
+# which psycopg files under OperationalError). Integrity violations (23) stay
+# psycopg's own: callers that expect one catch it.
+REFUSED_CLASSES = ("22", "54")
+
+
 @contextlib.contextmanager
 def translated() -> Iterator[None]:
-    """Turn lost connections and pool exhaustion into DatabaseUnavailable, and
-    deadlocks into TransactionConflict."""
+    """Turn lost connections, a server shutting down or out of resources, and
+    pool exhaustion into DatabaseUnavailable (retry later); deadlocks into
+    TransactionConflict; a statement PostgreSQL refuses for what it holds
+    (a data exception, a program limit) into DatabaseRefused (never retry)."""
     try:
         yield
     except psycopg.Error as exc:
+        sqlstate = exc.sqlstate or ""
         # class 40: deadlock_detected, serialization_failure (which psycopg 3 files
         # under OperationalError, not under TransactionRollback)
-        if (exc.sqlstate or "").startswith("40"):
+        if sqlstate.startswith("40"):
             raise errors.TransactionConflict(str(exc).strip()) from exc
+        if sqlstate[:2] in REFUSED_CLASSES:
+            raise errors.DatabaseRefused(str(exc).strip(), exc.sqlstate) from exc
         if isinstance(exc, psycopg.OperationalError):
             raise errors.DatabaseUnavailable(str(exc).strip() or type(exc).__name__) from exc
         raise

@@ -56,6 +56,16 @@ class DatabaseUnavailable(AgentInboxError):
     """The database could not be reached or stopped answering."""
 
 
+class DatabaseRefused(AgentInboxError):
+    """PostgreSQL refused the statement for what it holds (a value over one of
+    its own limits, such as an index row too large): the same call fails the
+    same way again. `sqlstate` is PostgreSQL's code."""
+
+    def __init__(self, message: str, sqlstate: str | None):
+        super().__init__(message)
+        self.sqlstate = sqlstate
+
+
 class TransactionConflict(AgentInboxError):
     """Concurrent transactions kept deadlocking on the same rows; the work was
     rolled back whole and may be retried."""

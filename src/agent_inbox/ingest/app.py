@@ -390,7 +390,8 @@ def _ingest(inbox, user: str, source: str, key: str, payload: Any, kind: str | N
         raise Reject(400, "payload holds a lone UTF-16 surrogate, which cannot be stored") from None
     except RecursionError:
         raise Reject(400, "payload is nested too deeply") from None
-    except (errors.DatabaseUnavailable, errors.TransactionConflict, psycopg.Error) as exc:
+    except (errors.DatabaseUnavailable, errors.DatabaseRefused, errors.TransactionConflict,
+            psycopg.Error) as exc:
         if _permanent(exc):
             # The same delivery would fail the same way for ever: a 503 would
             # have the provider retry it without end.
