@@ -3,6 +3,7 @@ answer, and the protections: escaping, CSP, roles, CSRF."""
 
 import psycopg
 import pytest
+from playwright.sync_api import expect
 
 from tests.console.conftest import TOKENS
 from tests.test_operator_cli import exhaust
@@ -197,3 +198,45 @@ def test_every_page_needs_authentication(console, world):
         assert console.get(path, token="wrong-token-0123456789")[0] == 401, path
         assert console.get(path, token=TOKENS["vic"][1])[0] == 200, path
     assert console.get("/api/overview")[0] == 401
+
+
+def test_the_overview_updates_live(login, world):
+    page = login("vic")
+    pending = page.locator("[data-field=pending]")
+    before = int(pending.inner_text())
+    world.ingest("dora", "chat", "d-1", {"text": "new"})
+    # the page polls every 5 s (no eval in the page: its CSP forbids it)
+    expect(pending).to_have_text(str(before + 1), timeout=12_000)
+    assert page.locator("#updated").inner_text().startswith("Last update:")
+
+
+def test_an_answer_after_the_deadline_is_told_it_expired(login, world, database_url):
+    world.request_approval("erin", "late-1", expires_in=0, action="too late?")
+    page = login("bea")
+    page.click("nav >> text=Approvals")
+    page.locator("#requests tr", has_text="late-1").locator("button.approve").click()
+    assert page.locator("#standing").inner_text() == \
+        "expired: the request's deadline passed; 'yes' was not stored"
+    with psycopg.connect(database_url) as conn:
+        assert conn.execute("SELECT payload->>'answer' FROM events WHERE user_id = 'erin' "
+                            "AND source = 'approval'").fetchall() == [("expired",)]
+
+
+def test_retry_a_failed_outbox_batch(login, world, database_url):
+    with psycopg.connect(database_url) as conn:
+        [(batch,)] = conn.execute(
+            "INSERT INTO outbox (user_id, body, created, batch, failed_at, error) "
+            "VALUES ('alice', 'hello', 1, NULL, 2, 'HTTP 410') RETURNING id").fetchall()
+        conn.execute("UPDATE outbox SET batch = id WHERE id = %s", [batch])
+        conn.execute("INSERT INTO deliveries (user_id, batch) VALUES ('alice', NULL)")
+    page = login("ann")
+    page.click("nav >> text=Failed batches")
+    page.check(f"input[name=pick][value='{batch}']")
+    page.click("#retry")
+    assert page.locator("h1").inner_text() == "Retry 1 failed batch?"
+    page.click("#confirm")
+    assert "1 failed batches retried" in page.locator("#result").inner_text()
+    with psycopg.connect(database_url) as conn:
+        assert conn.execute("SELECT failed_at, error FROM outbox").fetchall() == [(None, None)]
+        assert conn.execute("SELECT actor, action, outbox_batch FROM operator_actions"
+                            ).fetchall() == [("console:ann", "outbox_retry", batch)]

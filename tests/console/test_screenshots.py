@@ -9,6 +9,7 @@ import os
 import time
 
 import psycopg
+from playwright.sync_api import expect
 
 from agent_inbox import Result
 from tests.test_operator_cli import exhaust
@@ -48,7 +49,7 @@ def test_screenshots(login, inbox, console, database_url, tmp_path):
     _world(inbox, database_url)
     target = os.environ.get("AGENT_INBOX_SCREENSHOTS_DIR") or str(tmp_path)
     page = login("ann")
-    page.wait_for_function("document.getElementById('chart').complete")
+    expect(page.locator("#chart")).to_have_js_property("complete", True)
     page.screenshot(path=os.path.join(target, "console-overview.png"), full_page=True)
     page.goto(console.url + "/user?u=user-003")
     page.locator("#events summary").first.click()

@@ -261,7 +261,8 @@ class Console:
                  len(pairs), ", ".join(f"{r['user']}/{r['id']}" for r in done))
         done_keys = {(r["user"], r["id"]) for r in done}
         return self.render(request, principal, "done.html", what="dead events", action=action,
-                           done=done, left=[p for p in pairs if p not in done_keys],
+                           past=_PAST[action], done=done,
+                           left=[p for p in pairs if p not in done_keys],
                            back="/dead")
 
     # --- failed outbox batches ---------------------------------------------------
@@ -290,7 +291,7 @@ class Console:
                  [r["batch"] for r in done])
         done_batches = {r["batch"] for r in done}
         return self.render(request, principal, "done.html", what="failed batches",
-                           action=action, done=done,
+                           action=action, past=_PAST[action], done=done,
                            left=[b for b in picked if b not in done_batches], back="/outbox")
 
     # --- approvals ---------------------------------------------------------------
@@ -310,6 +311,7 @@ class Console:
         return self.approvals(request, principal, form, notice=notice)
 
 
+_PAST = {"requeue": "requeued", "discard": "discarded", "retry": "retried"}
 _VERBS = {"view": "view the console", "repair": "repair dead events or failed batches",
           "approve": "answer approval requests"}
 
