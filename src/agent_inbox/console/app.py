@@ -422,20 +422,27 @@ def _sums(minutes: list[dict]) -> dict:
     return {name: sum(m[name] for m in minutes) for name in stats.FIELDS}
 
 
-SERIES = (("finished", "#2e7d32"), ("refused", "#c62828"), ("takeovers", "#ef6c00"),
-          ("died", "#6a1b9a"))
-CHART_W, CHART_H, PAD = 600, 160, 30
+# Two panels, each scaled to its own largest count: runs finished, and the
+# rarer trouble (refusals, takeovers, deaths) that would lie flat beside them.
+PANELS = ((("finished", "#2e7d32"),),
+          (("refused", "#c62828"), ("takeovers", "#ef6c00"), ("died", "#6a1b9a")))
+CHART_W, PANEL_H, PAD = 600, 110, 30
 
 
 def _chart(minutes: list[dict]) -> dict:
-    """Polylines for the last hour, one per series, scaled to the largest count."""
-    top = max([1] + [m[name] for m in minutes for name, _ in SERIES])
+    """Polylines for the last hour, one per series, in PANELS."""
     step = (CHART_W - 2 * PAD) / max(1, len(minutes) - 1)
+    panels = []
+    for number, series in enumerate(PANELS):
+        top = max([1] + [m[name] for m in minutes for name, _ in series])
+        base = (number + 1) * PANEL_H - 5
 
-    def point(i, value):
-        return f"{PAD + i * step:.1f},{CHART_H - PAD - value * (CHART_H - 2 * PAD) / top:.1f}"
+        def point(i, value):
+            return f"{PAD + i * step:.1f},{base - value * (PANEL_H - 35) / top:.1f}"
 
-    lines = [{"name": name, "color": color, "total": sum(m[name] for m in minutes),
-              "points": " ".join(point(i, m[name]) for i, m in enumerate(minutes))}
-             for name, color in SERIES]
-    return {"lines": lines, "top": top, "width": CHART_W, "height": CHART_H, "pad": PAD}
+        panels.append({"top": top, "base": base, "lines": [
+            {"name": name, "color": color, "total": sum(m[name] for m in minutes),
+             "points": " ".join(point(i, m[name]) for i, m in enumerate(minutes))}
+            for name, color in series]})
+    return {"panels": panels, "width": CHART_W, "height": PANEL_H * len(PANELS) + 30,
+            "pad": PAD}
