@@ -131,3 +131,25 @@ def test_a_worker_records_its_runs_for_the_chart(inbox, database_url):
         minutes = stats.last_minutes(conn, 60)
     assert rows == [("w-test", 2, 0, 1)]
     assert len(minutes) == 60 and sum(m["finished"] for m in minutes) == 2
+
+
+def test_sessions_expire_and_cannot_be_forged():
+    from agent_inbox.console import auth
+
+    [token] = auth.parse_tokens("ann:operator:long-enough-token-1", "test")
+    signer = auth.Authenticator([token], session_ttl=60)
+    cookie = signer.new_session(token, now=1000)
+    assert signer.from_session(cookie, now=1059).name == "ann"
+    assert signer.from_session(cookie, now=1061) is None  # expired
+    body, mac = cookie.split(".")
+    assert signer.from_session(body[:-2] + "xx." + mac, now=1000) is None  # tampered
+    other = auth.Authenticator([token], session_ttl=60)  # another key: a restart
+    assert other.from_session(cookie, now=1000) is None
+    [rotated] = auth.parse_tokens("ann:operator:long-enough-token-2", "test")
+    assert auth.Authenticator([rotated], session_ttl=60, key=signer.key).from_session(
+        cookie, now=1000) is None  # the token changed: its sessions end
+    principal = signer.from_session(cookie, now=1000)
+    assert signer.csrf_ok(principal, signer.csrf_token(principal))
+    assert not signer.csrf_ok(principal, "") and not signer.csrf_ok(principal, None)
+    assert signer.from_bearer("Bearer long-enough-token-1").nonce is None
+    assert signer.from_bearer("Bearer long-enough-token-9") is None
