@@ -202,14 +202,17 @@ LOOK = 1000
 TAKE_WORK = f"""
 WITH clock AS (
     SELECT {NOW} AS now, greatest({NOW}, {DB_CLOCK}) AS due
-), pick AS (
-    SELECT w.user_id, l.ctid AS lease, w.at, w.id
-      FROM wakes w JOIN leases l ON l.user_id = w.user_id, clock
+), pick AS (  -- due wakes in order, each user's lease by key (LIMIT: never a join)
+    SELECT w.user_id, l.lease, w.at, w.id
+      FROM wakes w
+      CROSS JOIN LATERAL (
+           SELECT l.ctid AS lease FROM leases l, clock
+            WHERE l.user_id = w.user_id AND l.until < clock.now AND {CLAIMABLE}
+            LIMIT 1
+              FOR UPDATE OF l SKIP LOCKED) l
      WHERE w.at <= (SELECT due FROM clock)  -- a bound of the index scan
-       AND l.until < clock.now AND {CLAIMABLE}
      ORDER BY w.at, w.id
      LIMIT (SELECT %(users)s::int)  -- see "The LIMIT" above
-       FOR UPDATE OF l SKIP LOCKED
 ), reach AS (  -- how far pick read: to its last wake if it took `users`, else every due wake
     SELECT coalesce(last.at, clock.due) AS at, coalesce(last.id, 9223372036854775807) AS id
       FROM clock LEFT JOIN (SELECT at, id FROM pick ORDER BY at DESC, id DESC LIMIT 1) last
