@@ -86,6 +86,8 @@ def supervise(argv: list[str]) -> int:
         if code == EXIT_REFUSED:
             return 2
         if signals:  # a runtime exits 0 only when told to stop
+            if code == -signals[-1]:
+                return 0  # stopped before it took its signals over: it had started no run
             return code if code >= 0 else 128 - code
         fate = _fate(code)
         lived = time.monotonic() - born
