@@ -119,7 +119,7 @@ def drain(system: str, url: str, *, users: int, per_user: int, workers: int, con
     if system == "ours":
         reset_ours(url)
         expected = _preload_ours(url, users, per_user)
-        vacuum_analyze(url, "events", "leases")
+        vacuum_analyze(url, "events", "leases", "wakes")
     else:
         reset_peer(url)
         expected = _preload_peer(url, users, per_user)
@@ -298,7 +298,7 @@ def _retrying_deadlocks(call, counter: list, i: int):
 
 def w3_ours(url: str, events: list, distinct: int, *, mode: str, conns: int, batch: int) -> dict:
     reset_ours(url)
-    vacuum_analyze(url, "events", "leases")
+    vacuum_analyze(url, "events", "leases", "wakes")
     stored = [0] * conns
     deadlocks = [0] * conns
     if mode == "single":
@@ -583,7 +583,7 @@ def agents(system: str, url: str, *, users: int, concurrency: int, handler: str,
     if system == "ours":
         reset_ours(url)
         expected = _preload_ours(url, users, 1)
-        vacuum_analyze(url, "events", "leases")
+        vacuum_analyze(url, "events", "leases", "wakes")
         w = Workers("ours", url, 1, concurrency, poll, res.tempdir("rec"), res.tempdir("log"),
                     env={**OURS_ENV, "BENCH_AGENT_SLEEP": str(sleep)},
                     handler=OURS_HANDLERS[handler],
