@@ -138,3 +138,16 @@ def test_a_released_run_is_taken_again_at_once_not_at_its_lease_end(make_inbox):
     assert inbox.release_runs([run], error="stopped at shutdown") == ["u"]
     again = inbox.take_work("H2")
     assert (again.user, again.gen, again.unfinished) == ("u", run.gen + 1, 1)
+
+
+def test_a_take_reads_past_held_users_to_a_free_one_and_puts_them_off_to_their_lease_end(
+        database_url, make_inbox):
+    inbox = make_inbox(lease_ttl=TTL)
+    for user in ("held1", "held2", "held3"):
+        inbox.acquire(user, "api", now=T)
+        inbox.ingest(user, "chat", "1", {})                  # woken first, but held
+    inbox.ingest("free", "chat", "1", {})
+    [run] = inbox.take_runs("H", users=1, now=T + 1)
+    assert run.user == "free"
+    assert [wakes(database_url, u) for u in ("held1", "held2", "held3")] == [[T + TTL + 1]] * 3
+    assert inbox.take_runs("H", users=3, now=T + 1) == []    # nothing is read again before then
