@@ -77,8 +77,11 @@ def console(database_url):
     started.stop()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def browser():
+    """One Chromium per test module: Playwright's sync API keeps an event loop
+    running in this thread while it is open, so it must close before tests of
+    other modules call asyncio.run()."""
     from playwright.sync_api import sync_playwright
 
     if not os.path.exists(CHROMIUM):

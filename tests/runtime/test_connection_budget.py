@@ -13,10 +13,13 @@ import signal
 import psycopg
 
 from agent_inbox import Inbox, migrate, pgserver
-from tests.runtime.support import wait_until, worker_args
+from tests.runtime.support import scalar, wait_until, worker_args
 from tests.runtime.test_agents import ConnectionSampler
 
 WORKERS, CONCURRENCY, USERS = 10, 300, 4000
+# max_connections 20 less superuser_reserved_connections 3; every session takes
+# an ordinary slot while one is free, the test's own superuser ones too.
+ORDINARY_SLOTS = 17
 
 
 def test_workers_over_the_servers_connection_limit_all_finish_exactly_once(spawn):
@@ -29,14 +32,20 @@ def test_workers_over_the_servers_connection_limit_all_finish_exactly_once(spawn
                 conn.execute(f"CREATE ROLE budget{n} LOGIN")
                 conn.execute(f"GRANT ALL ON ALL TABLES IN SCHEMA public TO budget{n}")
                 conn.execute(f"GRANT ALL ON ALL SEQUENCES IN SCHEMA public TO budget{n}")
-        with Inbox.connect(url, pool_size=1) as inbox:
-            inbox.ingest_many([(f"u{n:05}", "chat", "1", {}) for n in range(USERS)])
         sampler = ConnectionSampler(url, database, group="usename", where="usename LIKE 'budget%%'")
         sampler.start()
         workers = [spawn(*worker_args(pgserver.conninfo.make_conninfo(url, user=f"budget{n}"),
                                       "async_briefly", "--concurrency", str(CONCURRENCY),
                                       "--poll-interval", "0.5", "--log-level", "warning"))
                    for n in range(WORKERS)]
+        # The work arrives once the workers hold every ordinary slot: the ones
+        # still short of their connections are being refused, whatever the timing
+        # (a drain of a few seconds could otherwise end before the last started).
+        wait_until(lambda: scalar(url, "SELECT count(*) FROM pg_stat_activity "
+                                       "WHERE backend_type = 'client backend'") >= ORDINARY_SLOTS,
+                   "the workers to fill the server's ordinary connection slots", timeout=120)
+        with Inbox.connect(url, pool_size=1) as inbox:
+            inbox.ingest_many([(f"u{n:05}", "chat", "1", {}) for n in range(USERS)])
 
         def done():
             with psycopg.connect(url, autocommit=True) as conn:
