@@ -56,9 +56,19 @@ def cmd_migrate(args: argparse.Namespace) -> int:
         print(f"database at revision {current}, newer than this agent-inbox knows "
               f"({revision.HEAD}): nothing to do")
         return 0
+    if args.citus:
+        from agent_inbox import citus
+
+        if args.revision != "head":
+            raise errors.InvalidInput("--revision", args.revision, "must be head with --citus")
+        citus.require_coordinator(args.database_url)
     migrate.upgrade(args.database_url, args.revision, pooler=args.pooler)
     now_at = revision.current_revision(args.database_url, pooler=args.pooler)
     print(f"database at revision {now_at}")
+    if args.citus:
+        done = citus.distribute(args.database_url)
+        print(f"tables distributed by bucket over the Citus cluster"
+              f"{'' if done else ' (already)'}")
     return 0
 
 
@@ -232,6 +242,9 @@ def build_parser() -> argparse.ArgumentParser:
     migrate.add_argument("--sql", action="store_true",
                          help="print the SQL instead of running it (no database needed)")
     migrate.add_argument("--revision", default="head", help="target revision (default: head)")
+    migrate.add_argument("--citus", action="store_true", default=env_flag("citus"),
+                         help="the database is a Citus coordinator's: distribute every table "
+                              "by bucket (see README, Citus; env AGENT_INBOX_CITUS)")
     migrate.set_defaults(run=cmd_migrate)
 
     demo = commands.add_parser("demo", help="run the eight failure scenarios of the reference")

@@ -40,15 +40,17 @@ def connect_options(pooler: str) -> dict:
 
 
 def open_pool(url: str, *, size: int, name: str = "agent-inbox", timeout: float = 30.0,
-              pooler: str = "none") -> ConnectionPool:
+              pooler: str = "none", configure=None) -> ConnectionPool:
     """A pool of `size` autocommit connections; raises DatabaseUnavailable if the
-    first connection cannot be made within `timeout` seconds."""
+    first connection cannot be made within `timeout` seconds. `configure(conn)`,
+    if given, is called on each new connection."""
     pool = ConnectionPool(
         url,
         min_size=1,
         max_size=size,
         kwargs={"autocommit": True, "application_name": name, **connect_options(pooler)},
         name=name,
+        configure=configure,
         open=False,
     )
     try:

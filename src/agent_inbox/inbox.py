@@ -11,7 +11,7 @@ for tests and simulations.
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from agent_inbox import db, errors, metrics, validate
+from agent_inbox import citus, db, errors, metrics, validate
 from agent_inbox.delivery import Delivery
 from agent_inbox.records import EVENT_STATUSES, ClaimPolicy, Event, SendPolicy
 from agent_inbox.runs import Run, Runs
@@ -51,6 +51,9 @@ class Inbox(Runs, Scheduling, Delivery):
             backoff_cap=validate.epoch("send_backoff_cap", send_backoff_cap))
         self.max_payload_bytes = validate.positive_int("max_payload_bytes", max_payload_bytes)
         self._pool = pool
+        # On a Citus coordinator (citus.py) statements are routed by bucket and
+        # the code that inserts events does the events_inserted trigger's work.
+        self.citus = bool(getattr(pool, "citus", False))
 
     @classmethod
     def connect(cls, url: str, *, pool_size: int = 4, application_name: str = "agent-inbox",
@@ -64,7 +67,10 @@ class Inbox(Runs, Scheduling, Delivery):
         send_backoff=5, send_backoff_cap=300."""
         validate.text("url", url)
         validate.positive_int("pool_size", pool_size)
-        pool = db.open_pool(url, size=pool_size, name=application_name, pooler=pooler)
+        detector = citus.Detector()
+        pool = db.open_pool(url, size=pool_size, name=application_name, pooler=pooler,
+                            configure=detector)
+        pool.citus = detector.distributed
         try:
             return cls(pool, **options)
         except BaseException:
@@ -99,8 +105,13 @@ class Inbox(Runs, Scheduling, Delivery):
         Call it after the provider's signature check, then acknowledge."""
         user, source, source_id, kind = validate.event_names("", user, source, source_id, kind)
         encoded = validate.payload("payload", payload, self.max_payload_bytes)
-        with db.connection(self._pool) as conn:
-            stored = inbox.insert(conn, user, source, source_id, encoded, kind)
+        if self.citus:
+            with db.transaction(self._pool) as conn:
+                stored = inbox.insert(conn, user, source, source_id, encoded, kind)
+                citus.events_inserted(conn, [user] if stored else [])
+        else:
+            with db.connection(self._pool) as conn:
+                stored = inbox.insert(conn, user, source, source_id, encoded, kind)
         metrics.count_ingested(source, stored)
         return stored
 

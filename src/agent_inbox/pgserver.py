@@ -165,3 +165,87 @@ def scratch_database(server_url: str | None, *, prefix: str = "agent_inbox") -> 
         url = create_database(server_url, prefix=prefix)
         stack.callback(drop_database, url)
         yield url
+
+
+# Citus needs its library preloaded; its nodes reach each other over loopback
+# without TLS (a throwaway cluster has no certificates, and the server runs
+# under an account whose HOME may be unreadable).
+CITUS_SETTINGS = {"shared_preload_libraries": "citus", "citus.node_conninfo": "sslmode=disable"}
+
+
+def citus_installed() -> bool:
+    """Whether the local PostgreSQL has the Citus extension's files."""
+    try:
+        bindir = find_bindir()
+    except errors.DatabaseUnavailable:
+        return False
+    share = Path("/usr/share/postgresql") / bindir.parent.name / "extension" / "citus.control"
+    return (bindir.parent / "lib" / "citus.so").exists() and share.exists()
+
+
+class CitusCluster:
+    """A Citus coordinator and `workers` worker nodes, each a TemporaryCluster on
+    its own loopback port, with the extension created in their `postgres`
+    database and the workers added to the coordinator. `url` is the
+    coordinator's; `stop()` stops and removes every node. A database made on the
+    coordinator for a test needs the extension and the nodes too:
+    `create_database()` does both."""
+
+    def __init__(self, *, workers: int = 2, settings: dict[str, str] | None = None):
+        options = {**CITUS_SETTINGS, **(settings or {})}
+        self.coordinator = TemporaryCluster(settings=options)
+        self.workers = [TemporaryCluster(settings=options) for _ in range(workers)]
+
+    @property
+    def nodes(self) -> list[TemporaryCluster]:
+        return [self.coordinator, *self.workers]
+
+    @property
+    def url(self) -> str:
+        return self.coordinator.url
+
+    def start(self) -> "CitusCluster":
+        try:
+            for node in self.nodes:
+                node.start()
+            self._attach("postgres")
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _attach(self, dbname: str) -> None:
+        for node in self.workers:
+            with psycopg.connect(with_database(node.url, dbname), autocommit=True) as conn:
+                conn.execute("CREATE EXTENSION IF NOT EXISTS citus")
+        with psycopg.connect(with_database(self.url, dbname), autocommit=True) as conn:
+            conn.execute("CREATE EXTENSION IF NOT EXISTS citus")
+            conn.execute("SELECT citus_set_coordinator_host('127.0.0.1', %s)",
+                         (self.coordinator.port,))
+            for node in self.workers:
+                conn.execute("SELECT citus_add_node('127.0.0.1', %s)", (node.port,))
+
+    def create_database(self, *, prefix: str = "agent_inbox_citus") -> str:
+        """A fresh database of the same name on every node, Citus set up in it;
+        the coordinator's URL. drop_database() removes it from every node."""
+        name = f"{prefix}_{uuid.uuid4().hex[:12]}"
+        for node in self.nodes:
+            with psycopg.connect(node.url, autocommit=True) as conn:
+                conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
+        self._attach(name)
+        return with_database(self.url, name)
+
+    def drop_database(self, url: str) -> None:
+        name = conninfo.conninfo_to_dict(url)["dbname"]
+        for node in self.nodes:
+            drop_database(with_database(node.url, name))
+
+    def stop(self) -> None:
+        for node in self.nodes:
+            node.stop()
+
+    def __enter__(self) -> "CitusCluster":
+        return self.start()
+
+    def __exit__(self, *exc_info) -> None:
+        self.stop()

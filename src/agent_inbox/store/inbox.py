@@ -77,7 +77,8 @@ def insert_many(conn, rows: list[tuple[str, str, str, str, str | None]]) -> list
 #   else the oldest max_batch fresh events (attempts = 0), the rest wait for the
 #   next run; retries still backing off wait;
 #   attempts + 1, claim_gen, claimed_at and the next retry's available_at
-#   (exponential backoff from this claim, capped, with jitter) are stamped at claim.
+#   (exponential backoff from this claim, capped, with jitter drawn in `plan`:
+#   Citus refuses a volatile function in an UPDATE) are stamped at claim.
 # A claimed row that was still running (its last run ended without a finish: a
 # crash, a hang, a lost lease) is `unfinished`: the worker runs such a run in
 # quarantine. Rows whose state does not change are not written. TAKE_WORK locks the lease in
@@ -100,7 +101,7 @@ open AS (
      GROUP BY user_id
 ), plan AS (
     SELECT o.version, o.user_id, o.id, o.gen, o.now, o.status AS old_status,
-           o.attempts AS old_attempts,
+           o.attempts AS old_attempts, 0.5 + random() / 2 AS jitter,
            CASE WHEN o.exhausted THEN 'dead'
                 WHEN r.id IS NOT NULL AND o.id = r.id THEN 'running'
                 WHEN r.id IS NULL AND o.attempts = 0 AND o.fresh_rank <= %(max_batch)s
@@ -116,7 +117,7 @@ open AS (
            available_at = CASE WHEN p.status = 'running'
                                THEN p.now + floor(least(%(backoff_cap)s::float8,
                                                           %(backoff_base)s * 2 ^ e.attempts)
-                                                    * (0.5 + random() / 2))::bigint
+                                                    * p.jitter)::bigint
                                ELSE e.available_at END,
            error = CASE WHEN p.status = 'dead' THEN 'too many attempts' ELSE e.error END
       FROM plan p
@@ -316,7 +317,7 @@ WITH clock AS (
                          %(counts)s::int[], %(errors)s::text[])
                   WITH ORDINALITY AS r(user_id, holder, gen, named, error, n)
 ), mine AS (
-    SELECT c.n, c.gen, e.version
+    SELECT c.n, c.gen, c.user_id, c.id, e.version
       FROM unnest(%(event_runs)s::bigint[], %(event_users)s::text[], %(event_gens)s::bigint[],
                   %(event_ids)s::bigint[]) AS c(n, user_id, gen, id)
       CROSS JOIN LATERAL (SELECT e.ctid AS version FROM events e

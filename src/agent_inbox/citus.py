@@ -1,0 +1,248 @@
+"""The same inbox on a Citus cluster: the distributed layout and its routing.
+
+**Distribution column: `bucket`**, a small integer derived from `user_id`
+(`bucket(user)`: the first 28 bits of md5(user_id) modulo BUCKETS, the same in
+Python and in SQL, `agent_inbox_bucket(text)`). Every user-keyed table gets the
+column, first in its primary key and unique constraints (Citus requires the
+distribution column in both), and all of them are distributed by it, co-located:
+one user's events, lease, wakes, timers, outbox rows and delivery state live in
+one shard, on one node. Why a bucket and not `user_id` itself: finding work
+cannot name a user (it is how users are found), and Citus refuses row locks
+(`FOR UPDATE`, `SKIP LOCKED`) in a statement spanning shards; a statement that
+names one bucket is routed to one node and may lock, so a take walks one
+bucket's wakes at a time. The column is a plain one written by the code (Citus
+refuses to distribute by a generated column).
+
+`distribute(url)` is what `agent-inbox migrate --citus` adds after the
+ordinary migrations: on a coordinator database (extension created, worker
+nodes added) it adds and fills the bucket column, rebuilds the keys, drops the
+`events_inserted` trigger (on Citus the code that inserts events creates the
+lease row and the wake itself, and the client session NOTIFYs on the
+coordinator) and distributes every table. `run_stats`, keyed by worker process,
+is distributed by `process`; `alembic_version` stays on the coordinator.
+
+Routing (`route(sql)`): the run path's single-user statements are written
+once, for plain PostgreSQL, filtering `user_id = %(user)s`. On Citus each
+statement is sent rewritten so that every user-keyed table it reads is also
+filtered by `bucket = %(bucket)s` (and its inserts and conflict targets carry
+the bucket), with `bucket` added to the parameters from `user`. The rewrite is
+a small set of textual rules over the statements' fixed spellings
+(`<alias>.user_id = ...`, `INSERT INTO t (user_id, ...`, `ON CONFLICT
+(user_id ...`); tests/citus/test_router_plans.py EXPLAINs every routed
+statement and fails on one that is not a single-task router plan, so a
+statement the rules miss fails CI rather than fanning out.
+"""
+
+import functools
+import hashlib
+import re
+
+import psycopg
+
+from agent_inbox import errors
+from agent_inbox.store import notify
+from agent_inbox.store.clock import DB_CLOCK
+
+BUCKETS = 64
+"""How many buckets users are spread over. Part of the layout: changing it
+means re-bucketing every row."""
+
+USER_TABLES = ("leases", "events", "wakes", "timers", "outbox", "deliveries", "operator_actions")
+"""Every table keyed by user, distributed by bucket and co-located with leases."""
+
+BUCKET_FUNCTION = f"""
+CREATE OR REPLACE FUNCTION agent_inbox_bucket(user_id text) RETURNS int
+LANGUAGE sql IMMUTABLE PARALLEL SAFE AS
+$$ SELECT (('x' || substr(md5(user_id), 1, 7))::bit(28)::int) % {BUCKETS} $$
+"""
+
+# The keys rebuilt with bucket first: (table, constraint, columns after bucket).
+KEYS = (
+    ("leases", "pk_leases", "PRIMARY KEY (bucket, user_id)"),
+    ("events", "pk_events", "PRIMARY KEY (bucket, user_id, id)"),
+    ("events", "uq_events_user_id_source_source_id", "UNIQUE (bucket, user_id, source, source_id)"),
+    ("wakes", "pk_wakes", "PRIMARY KEY (bucket, user_id, id)"),
+    ("timers", "pk_timers", "PRIMARY KEY (bucket, user_id, timer_id)"),
+    ("outbox", "pk_outbox", "PRIMARY KEY (bucket, user_id, id)"),
+    ("deliveries", "pk_deliveries", "PRIMARY KEY (bucket, user_id)"),
+    ("operator_actions", "pk_operator_actions", "PRIMARY KEY (bucket, user_id, id)"),
+)
+
+
+def bucket(user: str) -> int:
+    """The bucket of `user`; equal to agent_inbox_bucket(user) in SQL."""
+    return int(hashlib.md5(user.encode("utf-8")).hexdigest()[:7], 16) % BUCKETS
+
+
+def is_distributed(conn: psycopg.Connection) -> bool:
+    """Whether this database is a Citus coordinator with the events table
+    distributed (by `distribute`)."""
+    events = conn.execute("SELECT to_regclass('pg_catalog.pg_dist_partition') IS NOT NULL"
+                          " AND to_regclass('events') IS NOT NULL").fetchone()[0]
+    return events and conn.execute(
+        "SELECT EXISTS (SELECT 1 FROM pg_dist_partition WHERE logicalrelid = 'events'::regclass)"
+    ).fetchone()[0]
+
+
+def _connect(url: str) -> psycopg.Connection:
+    try:
+        return psycopg.connect(url, autocommit=True, connect_timeout=10)
+    except psycopg.OperationalError as exc:
+        raise errors.DatabaseUnavailable(f"could not reach the database: {exc}") from None
+
+
+def require_coordinator(url: str) -> None:
+    """Raise InvalidInput unless `url` is a Citus coordinator with worker nodes."""
+    with _connect(url) as conn:
+        _require_coordinator(conn)
+
+
+def _require_coordinator(conn: psycopg.Connection) -> None:
+    has_extension = conn.execute(
+        "SELECT EXISTS (SELECT 1 FROM pg_extension WHERE extname = 'citus')").fetchone()[0]
+    if not has_extension:
+        raise errors.InvalidInput(
+            "--citus", True, "needs a Citus coordinator: this database has no citus extension "
+            "(CREATE EXTENSION citus, and add the worker nodes with citus_add_node)")
+    workers = conn.execute(
+        "SELECT count(*) FROM pg_dist_node WHERE noderole = 'primary' AND groupid <> 0"
+    ).fetchone()[0]
+    if workers == 0:
+        raise errors.InvalidInput(
+            "--citus", True, "the coordinator has no worker nodes: add them with "
+            "SELECT citus_add_node('host', port) first")
+
+
+def distribute(url: str, *, shard_count: int = 32) -> bool:
+    """Lay the migrated schema at `url` out over the Citus cluster (see the
+    module's docstring). False if it already was; True if this call did it.
+    Runs in autocommit, step by step: Citus distributes a table in a transaction
+    of its own."""
+    with _connect(url) as conn:
+        _require_coordinator(conn)
+        if is_distributed(conn):
+            return False
+        with conn.transaction():
+            conn.execute(BUCKET_FUNCTION)
+            conn.execute("DROP TRIGGER IF EXISTS events_inserted ON events")
+            for table in USER_TABLES:
+                conn.execute(f"ALTER TABLE {table} ADD COLUMN bucket int")
+                conn.execute(f"UPDATE {table} SET bucket = agent_inbox_bucket(user_id)")
+                conn.execute(f"ALTER TABLE {table} ALTER COLUMN bucket SET NOT NULL")
+            for table, name, definition in KEYS:
+                conn.execute(f"ALTER TABLE {table} DROP CONSTRAINT {name}")
+                conn.execute(f"ALTER TABLE {table} ADD CONSTRAINT {name} {definition}")
+        conn.execute("SELECT create_distributed_table('leases', 'bucket', shard_count => %s)",
+                     (shard_count,))
+        for table in USER_TABLES[1:]:
+            conn.execute("SELECT create_distributed_table(%s, 'bucket', colocate_with => 'leases')",
+                         (table,))
+        conn.execute("SELECT create_distributed_table('run_stats', 'process', "
+                     "shard_count => %s)", (shard_count,))
+    return True
+
+
+# --- routing -----------------------------------------------------------------
+
+_TABLE = re.compile(r"\b(?:FROM|JOIN|UPDATE|INTO|USING)\s+(" + "|".join(USER_TABLES)
+                    + r")(?:\s+(?:AS\s+)?(\w+))?")
+_KEYWORDS = {"where", "set", "on", "using", "values", "select", "for", "order", "group", "limit",
+             "returning", "join", "cross", "left", "inner", "offset"}
+_BARE = re.compile(r"(?<![.\w])user_id = %\(user\)s")   # user_id = %(user)s
+_INSERT = re.compile(r"(INSERT INTO \w+(?: AS \w+)? \()user_id,([^)]*\)\s*)"
+                     r"(VALUES \(|SELECT DISTINCT |SELECT )")
+_CONFLICT = re.compile(r"ON CONFLICT \(user_id")
+
+
+# Citus plans no statement that finds a row by ctid as a router query; the
+# plain statements' TID lookups (rows their snapshot read) are sent as lookups
+# by key instead. Each rule is (the plain spelling, the keyed one).
+_BY_KEY = (
+    ("e.ctid = p.version", "e.user_id = p.user_id AND e.id = p.id"),
+    ("e.ctid = mine.version", "e.user_id = mine.user_id AND e.id = mine.id"),
+    ("l.ctid = verdict.lease", "l.user_id = verdict.user_id"),
+)
+
+
+@functools.lru_cache(maxsize=None)
+def route(statement: str) -> str:
+    """`statement` with every user-keyed row it reads, writes or conflicts on
+    also keyed by `%(bucket)s` (see the module's docstring)."""
+    for tid, key in _BY_KEY:
+        statement = statement.replace(tid, key)
+    aliases = {alias for _, alias in _TABLE.findall(statement)
+               if alias and alias.lower() not in _KEYWORDS}
+    if aliases:  # e.user_id = ..., l.user_id = ... of the tables' own aliases
+        aliased = re.compile(r"\b(" + "|".join(sorted(aliases)) + r")\.user_id = ")
+        statement = aliased.sub(r"\1.bucket = %(bucket)s AND \1.user_id = ", statement)
+    statement = _BARE.sub("bucket = %(bucket)s AND user_id = %(user)s", statement)
+    statement = _CONFLICT.sub("ON CONFLICT (bucket, user_id", statement)
+    return _INSERT.sub(r"\1bucket, user_id,\2\3%(bucket)s::int, ", statement)
+
+
+def bucket_of(params: dict) -> int | None:
+    """The bucket a statement's parameters are about: `bucket`, or that of
+    `user`, or that of every one of `users` (a statement about users of two
+    buckets is refused: the caller sends one per bucket); None for a statement
+    about no user."""
+    if "bucket" in params:
+        return params["bucket"]
+    if "user" in params:
+        return bucket(params["user"])
+    if "users" in params:
+        buckets = {bucket(user) for user in params["users"]}
+        if len(buckets) > 1:
+            raise errors.InvalidInput("users", params["users"],
+                                      "span several buckets: send one statement per bucket")
+        return buckets.pop() if buckets else 0
+    return None
+
+
+class RoutedCursor(psycopg.Cursor):
+    """A cursor that sends a statement about one user, or users of one bucket,
+    routed to that bucket (route, bucket_of); other statements as they are."""
+
+    def execute(self, query, params=None, **kwargs):
+        if isinstance(query, str) and isinstance(params, dict):
+            routed = bucket_of(params)
+            if routed is not None:
+                query, params = route(query), {**params, "bucket": routed}
+        return super().execute(query, params, **kwargs)
+
+
+class Detector:
+    """A pool's `configure` callback: its first connection asks whether the
+    database is distributed (`distributed`, None until then); on Citus every
+    connection of the pool then routes its statements (RoutedCursor)."""
+
+    def __init__(self):
+        self.distributed: bool | None = None
+
+    def __call__(self, conn: psycopg.Connection) -> None:
+        if self.distributed is None:
+            self.distributed = is_distributed(conn)
+        if self.distributed:
+            conn.cursor_factory = RoutedCursor
+
+
+# What the events_inserted trigger does on plain PostgreSQL, done on Citus by
+# the code that inserted events for one user, in the same transaction (one
+# node): the user's lease row (an expired generation 0, if none yet) and a wake
+# at the arrival; then the notification, sent by the client's own session on
+# the coordinator (a NOTIFY on a worker node reaches no listener).
+EVENTS_INSERTED = ("""
+INSERT INTO leases (user_id, holder, gen, until) VALUES (%(user)s, '', 0, -1)
+ON CONFLICT (user_id) DO NOTHING
+""", f"""
+INSERT INTO wakes (user_id, at) VALUES (%(user)s, {DB_CLOCK})
+""")
+
+
+def events_inserted(conn: psycopg.Connection, users) -> None:
+    """The trigger's work for `users` (each one routed), then the NOTIFY."""
+    lease_row, wake = EVENTS_INSERTED
+    for user in sorted(set(users)):
+        conn.execute(lease_row, {"user": user})
+        conn.execute(wake, {"user": user})
+    if users:
+        conn.execute("SELECT pg_notify(%s, '')", (notify.WORK,))

@@ -1,0 +1,50 @@
+"""`migrate --citus`: refused, exit 2, where there is no Citus coordinator; on
+one, every user-keyed table distributed by bucket, co-located, and the users
+of a real ingest spread over both worker nodes."""
+
+import psycopg
+
+from agent_inbox import citus, cli, pgserver
+
+
+def test_migrate_citus_on_plain_postgresql_is_refused(server_url, capsys):
+    url = pgserver.create_database(server_url, prefix="agent_inbox_not_citus")
+    try:
+        assert cli.main(["migrate", "--citus", "--database-url", url]) == 2
+        assert "no citus extension" in capsys.readouterr().err
+    finally:
+        pgserver.drop_database(url)
+
+
+def test_migrate_citus_distributes_every_table(citus_cluster, capsys):
+    url = citus_cluster.create_database()
+    try:
+        assert cli.main(["migrate", "--citus", "--database-url", url]) == 0
+        assert "distributed by bucket" in capsys.readouterr().out
+        assert cli.main(["migrate", "--citus", "--database-url", url]) == 0
+        assert "(already)" in capsys.readouterr().out
+        with psycopg.connect(url) as conn:
+            layout = dict(conn.execute(
+                "SELECT logicalrelid::text, column_to_column_name(logicalrelid, partkey)"
+                "  FROM pg_dist_partition").fetchall())
+            groups = conn.execute(
+                "SELECT count(DISTINCT colocationid) FROM pg_dist_partition"
+                " WHERE logicalrelid::text = ANY(%s)", (list(citus.USER_TABLES),)).fetchone()[0]
+        assert layout == {**{t: "bucket" for t in citus.USER_TABLES}, "run_stats": "process"}
+        assert groups == 1
+    finally:
+        citus_cluster.drop_database(url)
+
+
+def test_users_are_spread_over_both_worker_nodes(inbox, database_url, citus_cluster):
+    for n in range(200):
+        inbox.ingest(f"user-{n}", "s", "k", {})
+    with psycopg.connect(database_url) as conn:
+        per_node = dict(conn.execute("""
+            SELECT nodeport, sum(result::bigint) FROM run_command_on_shards(
+                   'leases', 'SELECT count(*) FROM %s') r
+              JOIN citus_shards s ON s.shardid = r.shardid
+             GROUP BY nodeport""").fetchall())
+    workers = {node.port for node in citus_cluster.workers}
+    assert set(per_node) == workers, per_node
+    assert sum(per_node.values()) == 200 and min(per_node.values()) >= 50, per_node

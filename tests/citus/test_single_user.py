@@ -1,0 +1,36 @@
+"""The single-user API on Citus: ingest (with the trigger's work done by the
+code), acquire, claim, finish, the operator's view; and the layout itself."""
+
+import psycopg
+
+from agent_inbox import citus
+
+
+def test_ingest_acquire_claim_finish(inbox):
+    assert inbox.ingest("alice", "github", "d1", {"n": 1})
+    assert not inbox.ingest("alice", "github", "d1", {"n": 1})
+    assert inbox.ingest("alice", "github", "d2", {"n": 2})
+    gen = inbox.acquire("alice", "A")
+    assert gen == 1 and inbox.acquire("alice", "B") is None
+    batch = inbox.claim_batch("alice", "A", gen)
+    assert [e.source_id for e in batch] == ["d1", "d2"]
+    assert inbox.finish("alice", "A", gen, [e.id for e in batch], messages=["hi"])
+    assert not inbox.finish("alice", "A", gen, [e.id for e in batch])
+    assert [e.status for e in inbox.events("alice")] == ["done", "done"]
+    assert [m.body for m in inbox.outbox("alice")] == ["hi"]
+
+
+def test_ingest_creates_the_lease_and_the_wake(inbox, database_url):
+    inbox.ingest("bob", "chat", "m1", {})
+    with psycopg.connect(database_url) as conn:
+        lease = conn.execute("SELECT bucket, holder, gen FROM leases WHERE user_id = 'bob'").fetchone()
+        wakes = conn.execute("SELECT count(*) FROM wakes WHERE user_id = 'bob'").fetchone()[0]
+    assert lease == (citus.bucket("bob"), "", 0) and wakes == 1
+
+
+def test_buckets_agree_with_sql(database_url):
+    users = [f"user-{n}" for n in range(200)] + ["", "ü", "a" * 300]
+    with psycopg.connect(database_url) as conn:
+        in_sql = conn.execute("SELECT agent_inbox_bucket(u) FROM unnest(%s::text[]) u",
+                              (users,)).fetchall()
+    assert [b for b, in in_sql] == [citus.bucket(u) for u in users]
