@@ -348,4 +348,6 @@ def test_a_deadlock_is_retried_by_in_transaction(database_url, make_inbox):
                      lambda: db.in_transaction(inboxes[1].pool, lock_in_order("b", "a"))
                      ).start().join()
     assert sorted(results) == ["a", "b"]
-    assert len(attempts) == 3                   # one of the two ran again
+    # one of the two ran again (under load its retry may meet the other's
+    # still-held lock and deadlock once more before the other commits)
+    assert len(attempts) >= 3 and set(attempts[2:]) <= {"a", "b"}
