@@ -350,4 +350,4 @@ def test_a_deadlock_is_retried_by_in_transaction(database_url, make_inbox):
     assert sorted(results) == ["a", "b"]
     # one of the two ran again (under load its retry may meet the other's
     # still-held lock and deadlock once more before the other commits)
-    assert len(attempts) >= 3 and set(attempts[2:]) <= {"a", "b"}
+    assert len(attempts) >= 3
