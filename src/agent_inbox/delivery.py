@@ -11,10 +11,19 @@ from agent_inbox.store import outbox
 from agent_inbox.store.outbox import Batch, Failure
 
 
+# Longest failure text recorded (a channel's error may quote a peer's whole body).
+ERROR_CHARS = 2000
+
+
 def describe(exc: BaseException) -> str:
-    """A failed send as its record says it: the exception's type and text."""
+    """A failed send as its record says it: the exception's type and text, cut
+    to ERROR_CHARS, with what PostgreSQL cannot store in text (NUL, unpaired
+    surrogates) replaced, so that recording a failure cannot fail."""
     text = str(exc).strip()
-    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+    text = f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+    if len(text) > ERROR_CHARS:
+        text = text[:ERROR_CHARS - 1] + "\u2026"
+    return text.encode("utf-8", "replace").decode("utf-8").replace("\x00", "\ufffd")
 
 
 class Delivery:

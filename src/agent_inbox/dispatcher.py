@@ -40,12 +40,20 @@ CONTENDED_PAUSE = 0.5
 # Held messages of users with no delivery row (queued by a worker older than
 # this schema) are looked for this often.
 ADOPT_EVERY = 60.0
+# While sends are in flight a pass claims again at least this often (and at
+# once when a notification says a message was queued): one slow send never
+# holds back the users queued behind it.
+RECLAIM_SECONDS = 1.0
 
 
 @dataclass
 class Sent:
     batch: Batch
     error: BaseException | None
+
+
+# Put on the queue of ended sends by a notification: claim again now.
+WAKE = None
 
 
 class Dispatcher:
@@ -60,7 +68,7 @@ class Dispatcher:
         self.stop = stop or Stop()
         self.waker = Waker(1)
         self._senders = ThreadPoolExecutor(self.concurrency, thread_name_prefix="agent-inbox-send")
-        self._ended: queue.SimpleQueue[Sent] = queue.SimpleQueue()
+        self._ended: queue.SimpleQueue[Sent | None] = queue.SimpleQueue()
         self._unrecorded: list[Sent] = []
         self._in_flight = 0
         self._adopted_at = float("-inf")
@@ -82,7 +90,7 @@ class Dispatcher:
                     break
             elif self._in_flight == 0:
                 break
-            self._gather(timeout=None if self._in_flight else 0)
+            self._gather(timeout=RECLAIM_SECONDS if self._in_flight else 0)
             self._record(now)
         self._record(now)
         pause = self.inbox.seconds_to_next_delivery(now=now)
@@ -101,30 +109,43 @@ class Dispatcher:
         except BaseException as exc:  # any failure is this batch's, never the dispatcher's
             self._ended.put(Sent(batch, exc))
 
+    def _wake(self) -> None:
+        """A message was queued: wake the idle loop, or a pass waiting on sends."""
+        self.waker.wake_one()
+        self._ended.put(WAKE)
+
+    def _take(self, ended: Sent | None) -> bool:
+        """Keep an ended send's outcome; False for a wake-up."""
+        if ended is WAKE:
+            return False
+        self._unrecorded.append(ended)
+        self._in_flight -= 1
+        return True
+
     def _gather(self, timeout: float | None) -> None:
-        """Wait for a send to end (at most `timeout` seconds), then take every
-        other that ends within GATHER_SECONDS."""
+        """Wait for a send to end or a wake-up (at most `timeout` seconds),
+        then take every other send that ends within GATHER_SECONDS."""
         try:
-            self._unrecorded.append(self._ended.get(timeout=timeout) if timeout != 0
-                                    else self._ended.get_nowait())
+            first = self._ended.get(timeout=timeout) if timeout != 0 else self._ended.get_nowait()
         except queue.Empty:
             return
-        self._in_flight -= 1
+        if not self._take(first):
+            return
         deadline = time.monotonic() + GATHER_SECONDS
         while (left := deadline - time.monotonic()) > 0:
             try:
-                self._unrecorded.append(self._ended.get(timeout=left))
+                self._take(self._ended.get(timeout=left))
             except queue.Empty:
                 break
-            self._in_flight -= 1
 
     def _record(self, now: int | None) -> None:
         """Write the outcomes of ended sends (kept for the next pass if the
-        database is unavailable: the sends' claims hold meanwhile)."""
+        database is unavailable: the sends' claims hold meanwhile; dropped if
+        PostgreSQL refuses them, so they cannot wedge every later pass: their
+        batches go again under the same keys once their claims run out)."""
         while True:
             try:
-                self._unrecorded.append(self._ended.get_nowait())
-                self._in_flight -= 1
+                self._take(self._ended.get_nowait())
             except queue.Empty:
                 break
         if not self._unrecorded:
@@ -132,6 +153,9 @@ class Dispatcher:
         ended, self._unrecorded = self._unrecorded, []
         try:
             self._write(ended, now)
+        except errors.DatabaseRefused as exc:
+            log.error("%d send outcomes not recorded (%s): their batches go again after "
+                      "their claims run out", len(ended), exc)
         except BaseException:
             self._unrecorded = ended + self._unrecorded
             raise
@@ -187,7 +211,7 @@ class Dispatcher:
     def serve(self, url: str | None) -> None:
         """Until stopped; then the sends in flight end and are recorded. LISTEN
         on `url` (None: poll only, as behind a transaction pooler)."""
-        Listener(url, [notify.OUTBOX], self.waker.wake_one, self.stop).start()
+        Listener(url, [notify.OUTBOX], self._wake, self.stop).start()
         try:
             serve("dispatcher", self._pass, self.waker.wait, self.stop, self.poll_interval)
             self._drain()

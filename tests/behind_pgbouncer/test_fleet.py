@@ -29,17 +29,21 @@ def test_a_worker_fleet_through_pgbouncer_drains_every_event_exactly_once(
                                   *(["--listen-url", database_url] if n % 2 else [])))
                for n in range(WORKERS)]
 
-    def drained():
+    def done():
         with psycopg.connect(database_url, autocommit=True) as conn:
-            return conn.execute("SELECT count(*) FROM events WHERE status = 'done'"
-                                ).fetchone()[0] == USERS * EVENTS
+            return conn.execute("SELECT count(*) FROM events WHERE status = 'done'").fetchone()[0]
 
     try:
-        wait_until(drained, "every event to be done", timeout=60)
-    finally:
+        wait_until(lambda: done() == USERS * EVENTS, "every event to be done", timeout=120)
+    except AssertionError:
         for worker in workers:
             worker.send_signal(signal.SIGTERM)
-        logs = [worker.communicate(timeout=60)[0] for worker in workers]
+        logs = [worker.communicate(timeout=60)[0][-3000:] for worker in workers]
+        raise AssertionError(f"{done()} of {USERS * EVENTS} events done; the workers' logs "
+                             f"end: {logs}") from None
+    for worker in workers:
+        worker.send_signal(signal.SIGTERM)
+    logs = [worker.communicate(timeout=60)[0] for worker in workers]
     assert [w.returncode for w in workers] == [0] * WORKERS, logs
     with psycopg.connect(database_url, autocommit=True) as conn:
         attempts = conn.execute("SELECT attempts, count(*) FROM events GROUP BY 1").fetchall()

@@ -2,6 +2,7 @@
 that run out, backoff and parking, operator repairs, and the race between a
 finish that queues a message and a dispatcher deciding a user has none."""
 
+import itertools
 import json
 import subprocess
 import sys
@@ -10,17 +11,18 @@ import threading
 import psycopg
 import pytest
 
-from agent_inbox import PermanentSendError, Result
+from agent_inbox import Message, PermanentSendError, Result, db
 from agent_inbox.dispatcher import Dispatcher
 from agent_inbox.store import outbox
 from tests.races import Racers, wait_for_lock_waiters
 from tests.runtime.support import ROOT
 
 T = 1_000_000
+_keys = itertools.count()
 
 
 def queue(inbox, user, now, *messages):
-    inbox.ingest(user, "chat", f"{user}-{now}-{len(messages)}", {})
+    inbox.ingest(user, "chat", f"{user}-{next(_keys)}", {})
     run = inbox.take_work(f"w-{user}", now=now)
     assert inbox.finish_run(run, Result(messages=list(messages)), now=now)
 
@@ -203,3 +205,163 @@ def test_the_dispatcher_command_refuses_bad_options(database_url):
     code, _, err = run_cli("dispatcher", "--database-url", database_url, "--channel",
                            "tests.runtime.handlers:echo", "--concurrency", "0")
     assert code == 2 and "--concurrency must be at least 1" in err
+
+
+def test_a_finish_does_not_cut_a_failed_batchs_backoff_short(database_url, make_inbox, inbox):
+    """A failed batch backs off (--send-backoff, doubling per failure): a finish
+    that queues more messages for the user does not make it due before its
+    backoff ends, so a chatty agent does not burn through --max-send-attempts
+    during an outage the backoff is meant to ride out."""
+    attempts = []
+
+    def failing(user, text, key):
+        attempts.append(key)
+        raise ConnectionError("chat service down")
+
+    dispatcher = Dispatcher(make_inbox(send_backoff=100, max_send_attempts=3), failing)
+    queue(inbox, "u", T, "first")
+    dispatcher.run_once(now=T)
+    assert len(attempts) == 1
+    backoff_ends = delivery(database_url, "u")["due_at"]
+    assert backoff_ends >= T + 50
+    for second in (1, 2):                      # the agent answers twice more, 1 s apart
+        queue(inbox, "u", T + second, f"more {second}")
+        dispatcher.run_once(now=T + second)
+    assert len(attempts) == 1, (attempts, [(m.body, m.failed_at) for m in inbox.outbox("u")])
+    assert delivery(database_url, "u")["due_at"] == backoff_ends
+    dispatcher.run_once(now=backoff_ends)      # then the failed batch goes again, first
+    assert attempts == ["u:1", "u:1"]
+
+
+def test_an_operator_retry_does_not_send_a_second_batch_inside_the_gap(make_inbox, inbox):
+    """Guarantee 7, at most one send per outbox_gap per user: a batch an
+    operator retries waits for the gap like a new batch would."""
+    refuse = {"on": True}
+    sends = []
+
+    def channel(user, text, key):
+        if refuse["on"] and text == "first":
+            raise PermanentSendError("HTTP 422")
+        sends.append((text, key))
+
+    dispatcher = Dispatcher(make_inbox(outbox_gap=3600), channel)
+    queue(inbox, "u", T, "first")
+    dispatcher.run_once(now=T)                 # parked failed; the user's later ones go on
+    queue(inbox, "u", T, "second")
+    dispatcher.run_once(now=T)
+    assert [t for t, _ in sends] == ["second"]
+    [parked] = [m.batch for m in inbox.outbox("u") if m.failed_at is not None]
+    with db.transaction(inbox.pool) as conn:
+        assert outbox.repair_failed(conn, [parked], retry=True, actor="test", now=T + 1)
+    refuse["on"] = False
+    dispatcher.run_once(now=T + 1)
+    assert [t for t, _ in sends] == ["second"]
+    dispatcher.run_once(now=T + 3600)          # once the gap allows: same rows, same key
+    assert sends == [("second", "u:2"), ("first", f"u:{parked}")]
+
+
+def test_one_slow_send_does_not_hold_back_every_other_users_delivery(make_inbox, inbox):
+    """While one user's send is slow, a pass goes on claiming: an urgent
+    message queued meanwhile goes out though that send has not ended."""
+    release = threading.Event()
+    slow_in_flight = threading.Event()
+    fast_sent = threading.Event()
+
+    def channel(user, text, key):
+        if user == "slow":
+            slow_in_flight.set()
+            release.wait(30)
+        else:
+            fast_sent.set()
+
+    queue(inbox, "slow", T, "takes a while")
+    dispatcher = Dispatcher(make_inbox(pool_size=2), channel, concurrency=16)
+    passing = Racers(lambda: dispatcher.run_once(now=T)).start()
+    try:
+        assert slow_in_flight.wait(20)
+        queue(inbox, "fast", T, Message("urgent: now", urgent=True))
+        assert fast_sent.wait(10), "the urgent message waited for another user's send"
+    finally:
+        release.set()
+        passing.join()
+
+
+def test_a_channel_error_postgresql_cannot_store_does_not_stop_the_dispatcher(make_inbox, inbox):
+    """A channel's error text is recorded as PostgreSQL can store it (a NUL
+    byte or an unpaired surrogate from a peer's body is replaced): the failure
+    is recorded and the dispatcher goes on sending to other users."""
+    sends = []
+
+    def channel(user, text, key):
+        if user == "a":
+            raise RuntimeError("peer said: \x00\x01 \udc80 garbage")
+        sends.append(user)
+
+    dispatcher = Dispatcher(make_inbox(), channel)
+    queue(inbox, "a", T, "to a")
+    errors = []
+    for now in (T, T + 1, T + 2):
+        if now == T + 1:
+            queue(inbox, "b", now, "to b")
+        try:
+            dispatcher.run_once(now=now)
+        except Exception as exc:
+            errors.append(type(exc).__name__)
+    assert sends == ["b"] and not errors, (sends, errors)
+    [held] = inbox.outbox("a")
+    assert held.error.startswith("RuntimeError: peer said: ") and "garbage" in held.error
+
+
+def test_a_claim_whose_deadline_is_now_does_not_spin_the_pass(database_url, make_inbox, inbox):
+    """A user whose batch another dispatcher holds until exactly now is not
+    claimed back to back: the claim leaves it due later, and the pass ends."""
+    queue(inbox, "u", T - 120, "hello")
+    other = make_inbox(send_timeout=120)
+    _, [held] = other.claim_due(10, now=T - 120)     # another dispatcher's claim: until T
+    calls = {"n": 0}
+    looking = make_inbox()
+    original = looking.claim_due
+
+    def counted(limit, *, now=None):
+        calls["n"] += 1
+        if calls["n"] > 50:           # let the pass end, so the test does not hang
+            with psycopg.connect(database_url, autocommit=True) as conn:
+                conn.execute("UPDATE deliveries SET due_at = %s WHERE user_id = 'u'", (T + 1,))
+        return original(limit, now=now)
+
+    looking.claim_due = counted
+    Dispatcher(looking, lambda *a: None, concurrency=1).run_once(now=T)
+    assert calls["n"] <= 2, f"{calls['n']} claims in one pass"
+
+
+def test_mark_sent_and_a_batched_finish_do_not_deadlock(database_url, make_inbox, inbox):
+    """Sends end in any order, but their outcomes lock delivery rows in user
+    order, as a finish queueing messages for several users does: a dispatcher
+    marking [u2, u1] and a worker finishing runs of [u1, u2] do not deadlock."""
+    for user in ("u1", "u2"):
+        queue(inbox, user, T, f"to {user}")
+    marker = make_inbox(application_name="test-mark")
+    _, batches = marker.claim_due(10, now=T)
+    by_user = {b.user: b for b in batches}
+    for user in ("u1", "u2"):
+        inbox.ingest(user, "chat", f"{user}-again", {})
+    finisher = make_inbox(application_name="test-finish")
+    runs = [finisher.take_work(f"w2-{u}", now=T + 1) for u in ("u1", "u2")]
+    outcomes = [finisher.outcome(r, Result(messages=["again"])) for r in runs]
+    with psycopg.connect(database_url) as holder:
+        holder.execute("SELECT 1 FROM deliveries WHERE user_id = 'u1' FOR UPDATE")
+        finishing = Racers(lambda: finisher.finish_runs(outcomes, now=T + 1)).start()
+        wait_for_lock_waiters(database_url, 1, application_name="test-finish")
+        marking = Racers(lambda: marker.mark_sent([by_user["u2"], by_user["u1"]], now=T + 1))
+        marking.start()
+        wait_for_lock_waiters(database_url, 1, application_name="test-mark")
+        holder.rollback()
+        problems = []
+        for racer in (finishing, marking):
+            try:
+                racer.join()
+            except Exception as exc:
+                problems.append(f"{type(exc).__name__}: {exc}")
+    assert problems == [], problems
+    assert all(m.sent_at == T + 1 for u in ("u1", "u2") for m in inbox.outbox(u)
+               if m.body == f"to {u}")

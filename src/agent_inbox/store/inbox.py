@@ -353,10 +353,14 @@ WITH clock AS (
      WHERE verdict.ok AND verdict.error IS NULL
      ORDER BY m.k
  RETURNING user_id
-), paced AS (  -- a dispatcher looks at the user now (store/outbox.py paces the send)
+), paced AS (  -- a dispatcher looks at the user now (store/outbox.py paces the send),
+                -- unless a failed batch is backing off: it goes first, at its time
     INSERT INTO deliveries AS d (user_id, due_at)
     SELECT DISTINCT user_id, clock.now FROM queued, clock ORDER BY user_id
-        ON CONFLICT (user_id) DO UPDATE SET due_at = least(d.due_at, excluded.due_at)
+        ON CONFLICT (user_id) DO UPDATE
+       SET due_at = CASE WHEN d.batch IS NOT NULL AND d.sending_until IS NULL
+                          AND d.due_at IS NOT NULL THEN d.due_at
+                         ELSE least(d.due_at, excluded.due_at) END
 ), released AS (
     UPDATE leases l SET until = clock.now - 1
       FROM clock, verdict

@@ -53,8 +53,9 @@ SELECT user_id FROM deliveries WHERE user_id = %(user)s FOR UPDATE SKIP LOCKED
 
 # The claim for users whose delivery rows this transaction locked. Per user:
 #   in_flight  another claim still holds a batch: look again when it runs out;
-#   resend     a batch is written down (a failed or interrupted send, or a batch
-#              an operator retried): it goes again, whatever the gap;
+#   resend     a claimed batch is written down (a failed or interrupted send):
+#              it goes again (its backoff keeps the user from being due before);
+#              or a batch an operator retried, once the gap allows a send;
 #   send       held rows, and the gap has passed or one is urgent: a new batch;
 #   paced      held rows inside the gap: look again when it ends;
 #   idle       nothing held: not due.
@@ -81,12 +82,13 @@ WITH clock AS (
       FROM mine m
 ), verdict AS (
     SELECT l.*, CASE
-           WHEN l.batch IS NOT NULL AND l.sending_until >= l.now THEN 'in_flight'
-           WHEN l.written IS NOT NULL THEN 'resend'
+           WHEN l.batch IS NOT NULL AND l.sending_until > l.now THEN 'in_flight'
+           WHEN l.batch IS NOT NULL AND l.written IS NOT NULL THEN 'resend'
            WHEN l.first_held IS NULL THEN 'idle'
-           WHEN l.urgent OR l.last_sent_at IS NULL OR l.now - l.last_sent_at >= %(gap)s
-           THEN 'send'
-           ELSE 'paced' END AS verdict
+           WHEN NOT (l.urgent OR l.last_sent_at IS NULL OR l.now - l.last_sent_at >= %(gap)s)
+           THEN 'paced'
+           WHEN l.written IS NOT NULL THEN 'resend'
+           ELSE 'send' END AS verdict
       FROM looked l
 ), written_down AS (
     UPDATE outbox o SET batch = v.first_held
@@ -229,9 +231,22 @@ def _keys(batches: list[Batch]) -> dict:
             "tokens": [b.token for b in batches]}
 
 
+# Outcomes lock their users' delivery rows in user order first, as a finish
+# queueing messages for several users does: sends end in any order, and two
+# transactions locking the same rows in different orders can deadlock.
+LOCK_USERS = """
+SELECT user_id FROM deliveries WHERE user_id = ANY(%(users)s::text[]) ORDER BY user_id FOR UPDATE
+"""
+
+
+def _lock_in_order(conn, batches: list[Batch]) -> None:
+    conn.execute(LOCK_USERS, {"users": [b.user for b in batches]})
+
+
 def mark_sent(conn, batches: list[Batch], *, gap: int, now: int | None) -> set[tuple[str, int]]:
     """The (user, batch) marked sent; a batch missing was taken over (its claim
     ran out and another dispatcher claimed it again)."""
+    _lock_in_order(conn, batches)
     params = {**_keys(batches), "gap": gap, "now": now}
     return {tuple(row) for row in conn.execute(MARK_SENT, params).fetchall()}
 
@@ -239,6 +254,7 @@ def mark_sent(conn, batches: list[Batch], *, gap: int, now: int | None) -> set[t
 def record_failed(conn, failures: list[Failure], *, max_attempts: int, backoff_base: float,
                   backoff_cap: float, now: int | None) -> dict[tuple[str, int], bool]:
     """{(user, batch): parked} for the failures recorded (the others were taken over)."""
+    _lock_in_order(conn, [f.batch for f in failures])
     params = {**_keys([f.batch for f in failures]), "errors": [f.error for f in failures],
               "permanent": [f.permanent for f in failures], "max_attempts": max_attempts,
               "backoff_base": backoff_base, "backoff_cap": backoff_cap, "now": now}
