@@ -1,7 +1,8 @@
 """Forcing interleavings: hold a lock, start the racers, wait until PostgreSQL
 reports them all waiting on that lock, then let go.
 
-The wait polls pg_stat_activity (database state), never the wall clock alone;
+The wait polls pg_stat_activity (on a Citus coordinator citus_stat_activity,
+which shows the worker nodes' waits too: database state), never the wall clock alone;
 it gives up with a clear failure after a bounded time.
 """
 
@@ -17,13 +18,27 @@ SELECT count(*) FROM pg_stat_activity
 """
 
 
+# On a Citus coordinator a session's row locks are waited for on a worker node,
+# by a backend of its own that carries the session's global pid.
+WAITING_ON_LOCK_CITUS = """
+WITH activity AS (SELECT * FROM citus_stat_activity WHERE datname = current_database())
+SELECT count(*) FROM activity c
+ WHERE NOT c.is_worker_query AND c.application_name LIKE %(pattern)s
+   AND (c.wait_event_type = 'Lock'
+        OR EXISTS (SELECT 1 FROM activity w WHERE w.is_worker_query
+                      AND w.global_pid = c.global_pid AND w.wait_event_type = 'Lock'))
+"""
+
+
 def wait_for_lock_waiters(url: str, count: int, *, application_name: str = "%",
                           timeout: float = 30.0) -> None:
     """Block until `count` sessions (named like `application_name`) wait on a lock."""
     deadline = time.monotonic() + timeout
     with psycopg.connect(url, autocommit=True) as conn:
+        on_citus = conn.execute("SELECT to_regclass('citus_stat_activity') IS NOT NULL").fetchone()[0]
+        probe = WAITING_ON_LOCK_CITUS if on_citus else WAITING_ON_LOCK
         while True:
-            waiting = conn.execute(WAITING_ON_LOCK, {"pattern": application_name}).fetchone()[0]
+            waiting = conn.execute(probe, {"pattern": application_name}).fetchone()[0]
             if waiting >= count:
                 return
             if time.monotonic() > deadline:

@@ -15,6 +15,7 @@ import psycopg
 import pytest
 
 import agent_inbox.inbox
+from agent_inbox import citus
 from agent_inbox.store import lease as lease_store
 from agent_inbox.store import timers as timer_store
 from tests.races import Racers, wait_for_lock_waiters
@@ -34,6 +35,8 @@ def race_behind(url, lock_sql, params, calls, *, commit=False, in_order=False):
     groups = [[call] for call in calls] if in_order else [list(calls)]
     started = []
     with psycopg.connect(url) as blocker:
+        if citus.is_distributed(blocker):  # the lock taken on the user's node
+            blocker.cursor_factory = citus.RoutedCursor
         blocker.execute(lock_sql, params)
         try:
             for group in groups:
@@ -69,8 +72,8 @@ def test_simultaneous_first_acquires_give_exactly_one_lease(database_url, make_i
 
     gens = race_behind(
         database_url,
-        "INSERT INTO leases (user_id, holder, gen, until) VALUES (%s, 'blocker', 0, -1)",
-        ("alice",), calls)
+        "INSERT INTO leases (user_id, holder, gen, until) VALUES (%(user)s, 'blocker', 0, -1)",
+        {"user": "alice"}, calls)
 
     assert sorted(gens, key=lambda g: g is None) == [1] + [None] * 15
     winner = f"w{gens.index(1)}"
@@ -88,8 +91,9 @@ def test_simultaneous_ingests_of_one_key_store_it_once(database_url, make_inbox)
 
     stored = race_behind(
         database_url,
-        "INSERT INTO events (user_id, source, source_id, payload) VALUES (%s, 'mail', 'm-1', '{}'::jsonb)",
-        ("alice",), calls)
+        "INSERT INTO events (user_id, source, source_id, payload) "
+        "VALUES (%(user)s, 'mail', 'm-1', '{}'::jsonb)",
+        {"user": "alice"}, calls)
 
     assert sorted(stored) == [False] * 7 + [True]
     assert query(database_url, "SELECT count(*) FROM events WHERE user_id = %s "
@@ -98,7 +102,7 @@ def test_simultaneous_ingests_of_one_key_store_it_once(database_url, make_inbox)
 
 # --- 3. fencing a stale holder ------------------------------------------------------
 
-LOCK_LEASE = "SELECT holder, gen, until FROM leases WHERE user_id = %s FOR UPDATE"
+LOCK_LEASE = "SELECT holder, gen, until FROM leases WHERE user_id = %(user)s FOR UPDATE"
 
 
 def start_a_run(inbox, user, holder, now):
@@ -129,7 +133,7 @@ def test_stale_holders_finish_racing_a_takeover_is_refused(database_url, make_in
 
     # B goes first in the lock queue when in_order: its takeover commits before A's finish.
     (gen_b, ids_b, b_finished), a_finished = race_behind(
-        database_url, LOCK_LEASE, ("alice",),
+        database_url, LOCK_LEASE, {"user": "alice"},
         [lambda: take_over_and_finish(b, "alice", "B", T + 121),
          lambda: a.finish("alice", "A", gen_a, ids_a, messages=["report sent"], now=stale_now)],
         commit=True, in_order=in_order)

@@ -69,9 +69,22 @@ KEYS = (
 )
 
 
+# A take reads one bucket's due wakes in order (store/bucketed.py).
+BUCKET_INDEXES = ("CREATE INDEX ix_wakes_bucket_at ON wakes (bucket, at, id)",)
+
+
 def bucket(user: str) -> int:
     """The bucket of `user`; equal to agent_inbox_bucket(user) in SQL."""
     return int(hashlib.md5(user.encode("utf-8")).hexdigest()[:7], 16) % BUCKETS
+
+
+def by_bucket(items: list, user_of) -> list[list]:
+    """`items` in one list per bucket of `user_of(item)`, by bucket, each in the
+    order given: what one statement or transaction about one bucket gets."""
+    groups: dict[int, list] = {}
+    for item in items:
+        groups.setdefault(bucket(user_of(item)), []).append(item)
+    return [groups[b] for b in sorted(groups)]
 
 
 def is_distributed(conn: psycopg.Connection) -> bool:
@@ -132,6 +145,8 @@ def distribute(url: str, *, shard_count: int = 32) -> bool:
             for table, name, definition in KEYS:
                 conn.execute(f"ALTER TABLE {table} DROP CONSTRAINT {name}")
                 conn.execute(f"ALTER TABLE {table} ADD CONSTRAINT {name} {definition}")
+            for statement in BUCKET_INDEXES:
+                conn.execute(statement)
         conn.execute("SELECT create_distributed_table('leases', 'bucket', shard_count => %s)",
                      (shard_count,))
         for table in USER_TABLES[1:]:
@@ -200,10 +215,11 @@ def bucket_of(params: dict) -> int | None:
 
 class RoutedCursor(psycopg.Cursor):
     """A cursor that sends a statement about one user, or users of one bucket,
-    routed to that bucket (route, bucket_of); other statements as they are."""
+    routed to that bucket (route, bucket_of); other statements as they are,
+    and so a statement written for Citus (it names `%(bucket)s` itself)."""
 
     def execute(self, query, params=None, **kwargs):
-        if isinstance(query, str) and isinstance(params, dict):
+        if isinstance(query, str) and isinstance(params, dict) and "%(bucket)s" not in query:
             routed = bucket_of(params)
             if routed is not None:
                 query, params = route(query), {**params, "bucket": routed}

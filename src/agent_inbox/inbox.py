@@ -16,7 +16,7 @@ from agent_inbox.delivery import Delivery
 from agent_inbox.records import EVENT_STATUSES, ClaimPolicy, Event, SendPolicy
 from agent_inbox.runs import Run, Runs
 from agent_inbox.scheduling import Scheduling
-from agent_inbox.store import inbox, lease, retention
+from agent_inbox.store import bucketed, inbox, lease, retention
 
 __all__ = ["Inbox", "Run"]
 
@@ -135,15 +135,28 @@ class Inbox(Runs, Scheduling, Delivery):
                          kind))
 
         def insert_all(conn) -> list[bool]:
-            stored: list[bool] = []
-            for start in range(0, len(rows), INGEST_CHUNK):
-                stored += inbox.insert_many(conn, rows[start:start + INGEST_CHUNK])
-            return stored
+            stored: dict[int, bool] = {}
+            for group in self._ingest_groups(rows):
+                for start in range(0, len(group), INGEST_CHUNK):
+                    chunk = group[start:start + INGEST_CHUNK]
+                    flags = inbox.insert_many(conn, [row for _, row in chunk])
+                    stored.update(zip((n for n, _ in chunk), flags))
+                    if self.citus:
+                        citus.events_inserted(conn, [row[0] for (_, row), ok in zip(chunk, flags)
+                                                     if ok])
+            return [stored[n] for n in range(len(rows))]
 
         stored = db.in_transaction(self._pool, insert_all)
         for (_, source, _, _, _), was_stored in zip(rows, stored):
             metrics.count_ingested(source, was_stored)
         return stored
+
+    def _ingest_groups(self, rows: list[tuple]) -> list[list[tuple[int, tuple]]]:
+        """The numbered rows in one group, or on Citus one per bucket (a
+        statement about users of one bucket goes to one node; the transaction
+        spans the nodes the batch does)."""
+        numbered = list(enumerate(rows))
+        return citus.by_bucket(numbered, lambda item: item[1][0]) if self.citus else [numbered]
 
     def events(self, user: str, *, status: str | None = None) -> list[Event]:
         """A user's events, ordered by id; for operators and tests."""
@@ -193,11 +206,14 @@ class Inbox(Runs, Scheduling, Delivery):
         if error is not None:
             error = validate.text("error", error)
         now = validate.optional_epoch("now", now)
+        finish = inbox.Finish(user, holder, gen, ids, messages, error)
+        if self.citus:
+            with db.transaction(self._pool) as conn:
+                return bucketed.finish(conn, finish, now, release=False)
         with db.connection(self._pool) as conn:
             with db.pipelined_transaction(conn):
                 conn.execute(lease.LOCK, {"user": user})
-                verdict = inbox.send_finish(
-                    conn, [inbox.Finish(user, holder, gen, ids, messages, error)], now)
+                verdict = inbox.send_finish(conn, [finish], now)
             [accepted] = inbox.read_verdicts(verdict)
             return accepted
 

@@ -7,14 +7,19 @@ statement checks holder, generation, expiry and the events' claim, or nothing of
 that run commits. Several runs may share that transaction (the worker's
 completer commits every run that ended since its last commit), each behind its
 own fence: a refused run writes nothing, the others commit.
+
+On a Citus cluster (Inbox.citus) every transaction here is about one bucket,
+so that it runs on one node: work is taken one bucket at a time and a run is
+finished in a transaction of its own (store/bucketed.py); renewals, releases
+and give-backs are sent once per bucket.
 """
 
 from dataclasses import dataclass
 
-from agent_inbox import db, errors, validate
+from agent_inbox import citus, db, errors, validate
 from agent_inbox.records import Event
 from agent_inbox.result import ApprovalRequest, Message, Result, TimerRequest
-from agent_inbox.store import approvals, inbox, lease, timers
+from agent_inbox.store import approvals, bucketed, inbox, lease, timers
 
 
 @dataclass(frozen=True)
@@ -72,9 +77,26 @@ class Runs:
         holder = validate.text("holder", holder)
         users = validate.positive_int("users", users)
         now = validate.optional_epoch("now", now)
+        if self.citus:
+            return self._as_runs(holder, self._take_by_bucket(holder, users, now))
         with db.connection(self._pool) as conn:
             return self._as_runs(holder, inbox.take_work(conn, holder, self.lease_ttl,
                                                          self.policy, now, users))
+
+    def _take_by_bucket(self, holder: str, users: int, now: int | None) -> list[tuple]:
+        """On Citus: the buckets with due wakes, longest waiting first (one read
+        across shards, no lock), each taken from in a transaction of its own
+        until `users` are taken."""
+        with db.connection(self._pool) as conn:
+            buckets = bucketed.due_buckets(conn, now)
+        taken: list[tuple] = []
+        for bucket in buckets:
+            with db.transaction(self._pool) as conn:
+                taken += bucketed.take(conn, bucket, holder, self.lease_ttl, self.policy, now,
+                                       users - len(taken))
+            if len(taken) >= users:
+                break
+        return taken
 
     def renew_runs(self, runs: list[Run], *, now: int | None = None) -> set:
         """Extend by lease_ttl, in one statement, every lease of `runs` (one
@@ -82,7 +104,8 @@ class Runs:
         holder = _holder_of(runs)
         now = validate.optional_epoch("now", now)
         with db.connection(self._pool) as conn:
-            return lease.renew(conn, holder, [run.key for run in runs], self.lease_ttl, now)
+            return {key for keys in self._by_bucket([run.key for run in runs])
+                    for key in lease.renew(conn, holder, keys, self.lease_ttl, now)}
 
     def release(self, user: str, holder: str, gen: int, *, now: int | None = None) -> bool:
         """Expire a held lease at once (gen kept, so it still fences this holder)."""
@@ -91,6 +114,18 @@ class Runs:
         now = validate.optional_epoch("now", now)
         with db.connection(self._pool) as conn:
             return bool(lease.release(conn, holder, [(user, gen)], now))
+
+    def _by_bucket(self, keys: list[tuple]) -> list[list[tuple]]:
+        """(user, ...) keys in one group, or on Citus in one group per bucket:
+        a statement about several users is then sent once per group."""
+        if not self.citus:
+            return [keys] if keys else []
+        return citus.by_bucket(keys, lambda key: key[0])
+
+    def _release(self, conn, holder: str, keys: list[tuple[str, int]], now: int | None,
+                 **options) -> list[str]:
+        return [user for group in self._by_bucket(keys)
+                for user in lease.release(conn, holder, group, now, **options)]
 
     def release_runs(self, runs: list[Run], *, error: str | None = None,
                      at_once: bool = True, now: int | None = None) -> list[str]:
@@ -103,7 +138,7 @@ class Runs:
         if error is not None:
             error = validate.text("error", error)
         with db.connection(self._pool) as conn:
-            return lease.release(conn, holder, [run.key for run in runs], now, error=error,
+            return self._release(conn, holder, [run.key for run in runs], now, error=error,
                                  at_once=at_once)
 
     def release_holder(self, holder: str, *, error: str, now: int | None = None) -> list[str]:
@@ -113,8 +148,8 @@ class Runs:
         error = validate.text("error", error)
         now = validate.optional_epoch("now", now)
         with db.connection(self._pool) as conn:
-            return lease.release(conn, holder, lease.held_by(conn, holder, now), now, error=error,
-                                 at_once=False)
+            return self._release(conn, holder, lease.held_by(conn, holder, now), now,
+                                 error=error, at_once=False)
 
     def outcome(self, run: Run, result: Result) -> Outcome:
         """Check a handler's result for committing; InvalidInput names what is wrong."""
@@ -143,6 +178,8 @@ class Runs:
         now = validate.optional_epoch("now", now)
         if not outcomes:
             return []
+        if self.citus:
+            return [self._finish_alone(o, release, now) for o in outcomes]
         users = sorted(o.run.user for o in outcomes)
         finishes = [o.finish for o in outcomes]
         with db.connection(self._pool) as conn:
@@ -161,15 +198,26 @@ class Runs:
                 verdicts = inbox.send_finish(conn, finishes, now, release=release)
             return inbox.read_verdicts(verdicts)
 
+    def _finish_alone(self, o: Outcome, release: bool, now: int | None) -> bool:
+        """On Citus: one run's finish in a transaction of its own (one node)."""
+        with db.transaction(self._pool) as conn:
+            accepted = bucketed.finish(conn, o.finish, now, release=release)
+            if accepted:
+                self._write_timers(conn, o, now)
+            return accepted
+
     def hand_back(self, runs: list[Run], *, now: int | None = None) -> list[str]:
         """Give back runs whose handlers never started: leases expired at once,
         claims undone (attempts included). A run whose lease is no longer held
         is left alone. The users given back."""
         now = validate.optional_epoch("now", now)
-        with db.transaction(self._pool) as conn:
-            conn.execute(lease.LOCK_MANY, {"users": sorted(run.user for run in runs)})
-            answers = self._send_hand_back(conn, runs, now)
-            return [user for answer in answers for user, in answer.fetchall()]
+        given = []
+        for group in self._by_bucket([(run.user, run) for run in runs]):
+            with db.transaction(self._pool) as conn:
+                conn.execute(lease.LOCK_MANY, {"users": sorted(user for user, _ in group)})
+                answers = self._send_hand_back(conn, [run for _, run in group], now)
+                given += [user for answer in answers for user, in answer.fetchall()]
+        return given
 
     def hand_back_orphans(self, holder: str, known: list[Run] = (), *,
                           now: int | None = None) -> list[str]:
@@ -177,6 +225,13 @@ class Runs:
         `known` (runs a lost commit may have taken unseen); the users given back."""
         holder = validate.text("holder", holder)
         now = validate.optional_epoch("now", now)
+        if self.citus:  # HAND_BACK_ORPHANS locks across shards: found first, given back by bucket
+            with db.connection(self._pool) as conn:
+                held = lease.held_by(conn, holder, now)
+            mine = {run.key for run in known}
+            orphans = [Run(user, holder, gen, 0, [], unfinished=1) for user, gen in held
+                       if (user, gen) not in mine]
+            return self.hand_back(orphans, now=now)
         params = {"holder": holder, "users": [r.user for r in known],
                   "gens": [r.gen for r in known], "now": now}
         with db.transaction(self._pool) as conn:

@@ -1,5 +1,6 @@
-"""Every statement of the single-user run path, sent as the Citus code path
-sends it (citus.route), is planned by Citus as a router query: one task, on
+"""Every statement of the run path, sent as the Citus code path sends it (the
+take and finish of store/bucketed.py, the single-user statements through
+citus.route), is planned by Citus as a router query: one task, on
 one node, no distributed subplan pulled through the coordinator (a value the
 coordinator computes, the clock, is allowed). A new
 statement on that path that fans out, or that the routing rules miss, fails
@@ -10,13 +11,11 @@ import pytest
 
 from agent_inbox import citus
 from agent_inbox.records import ClaimPolicy
-from agent_inbox.store import inbox, lease
+from agent_inbox.store import bucketed, inbox, lease
 
 POLICY = ClaimPolicy(max_attempts=3, backoff_base=5, backoff_cap=300, max_batch=100).params()
-ONE_RUN = {"users": ["alice"], "holders": ["A"], "gens": [1], "counts": [1], "errors": [None],
-           "event_runs": [1], "event_users": ["alice"], "event_gens": [1], "event_ids": [1],
-           "message_runs": [1], "bodies": ["hi"], "urgent": [False], "now": None,
-           "release": True}
+ALICE = {"bucket": citus.bucket("alice"), "user": "alice", "now": None}
+RUN = {**ALICE, "holder": "A", "gen": 1, "ids": [1], "error": None}
 
 STATEMENTS = {
     "ingest": (inbox.INSERT, {"user": "alice", "source": "s", "source_id": "k",
@@ -27,13 +26,35 @@ STATEMENTS = {
     "first acquire": (lease.CREATE_EXPIRED, {"user": "alice"}),
     "acquire": (lease.ACQUIRE, {"user": "alice", "holder": "A", "ttl": 60, "now": None}),
     "claim": (inbox.CLAIM, {"user": "alice", "holder": "A", "gen": 1, "now": None, **POLICY}),
-    # Not yet: FINISH's inserts from its own CTEs (outbox, deliveries, wakes) are
-    # INSERT ... SELECTs, which Citus runs as subplans pulled through the
-    # coordinator (still one worker node, one transaction, but several steps,
-    # each with its own snapshot). strict: this fails once it is fixed.
-    "finish": pytest.param((inbox.FINISH, ONE_RUN), marks=pytest.mark.xfail(
-        strict=True, reason="FINISH's INSERT ... SELECT CTEs are pulled to the coordinator")),
+    "renew": (lease.RENEW, {"holder": "A", "users": ["alice"], "gens": [1], "ttl": 60,
+                            "now": None}),
+    "take: pick": (bucketed.PICK, {**ALICE, "users": 4}),
+    "take: stale": (bucketed.STALE, {**ALICE, "at": 0, "id": 0}),
+    "take: took": (bucketed.TOOK, {**ALICE, "holder": "A", "ttl": 60, "users": ["alice"],
+                                   "read_users": ["alice"], "read_ids": [1]}),
+    "take: wake": (bucketed.WAKE, {**ALICE, "at": 0}),
+    "take: claim": (bucketed.CLAIM_TALLY, {"user": "alice", "holder": "A", "gen": 1,
+                                           "now": None, **POLICY}),
+    "finish: fence": (bucketed.FENCE, RUN),
+    "finish: fence and release": (bucketed.FENCE_RELEASE, RUN),
+    "finish: message": (bucketed.QUEUE, {**ALICE, "body": "hi", "urgent": False}),
+    "finish: delivery due": (bucketed.PACED, ALICE),
+    "finish: work left": (bucketed.WORK_LEFT, ALICE),
     "events view": (inbox.LIST, {"user": "alice", "status": None}),
+}
+
+# Statements Citus runs in steps (a modifying CTE read by an INSERT ... SELECT,
+# an INSERT ... SELECT from parameters), every step on the user's node, in one
+# transaction: their results do not depend on one snapshot (each step sees
+# the steps before it), so they are kept as they are.
+ONE_NODE = {
+    "release": (lease.RELEASE, {"holder": "A", "users": ["alice"], "gens": [1], "now": None,
+                                "error": None, "at_once": True}),
+    "hand back": (lease.HAND_BACK, {"holder": "A", "users": ["alice"], "gens": [1],
+                                    "unfinished": [False], "now": None}),
+    "ingest many": (inbox.INSERT_MANY, {"users": ["alice"], "sources": ["s"],
+                                        "source_ids": ["k"], "payloads": ["{}"],
+                                        "kinds": [None]}),
 }
 
 
@@ -56,6 +77,19 @@ def test_router_plan(database_url, case):
     # functions in a distributed UPDATE), never one sent to a node
     top = next(n for n, line in enumerate(lines) if line.strip().startswith("Task Count"))
     assert "Task" not in "\n".join(lines[1:top]), text
+
+
+@pytest.mark.parametrize("case", ONE_NODE.values(), ids=ONE_NODE.keys())
+def test_one_node_plan(database_url, case):
+    statement, params = case
+    with psycopg.connect(database_url) as conn:
+        text = "\n".join(plan(conn, statement, params))
+        [coordinator] = conn.execute("SELECT nodeport FROM pg_dist_node WHERE groupid = 0"
+                                     ).fetchone()
+    assert {line.strip() for line in text.splitlines() if "Task Count" in line} <= {"Task Count: 1"}
+    workers = {line.strip() for line in text.splitlines() if line.strip().startswith("Node:")
+               and f"port={coordinator} " not in line}   # the coordinator reads the steps' results
+    assert len(workers) <= 1, text
 
 
 def test_a_statement_across_buckets_is_refused_before_it_is_sent(database_url):

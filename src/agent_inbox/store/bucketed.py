@@ -1,0 +1,264 @@
+"""The run path on a Citus cluster: taking work one bucket at a time, and a
+run's finish as a sequence of single-node statements.
+
+On Citus a statement is one router query (one shard, one node, planned and
+run there in one piece, with one snapshot) only if every distributed table it
+touches is filtered by one bucket and it holds no INSERT ... SELECT, which
+Citus runs in steps through the coordinator, each step with a snapshot of its
+own. TAKE_WORK and FINISH (store/inbox.py) rely on one snapshot for the wake
+invariant, so on Citus they are not sent as they are; the same rules are kept
+here in statements that are each one router query, in an order that keeps the
+invariant under READ COMMITTED (each statement sees at least what the one
+before it saw):
+
+* **take** (one bucket, one transaction): PICK locks, in wake order, the free
+  leases of users with claimable work (SKIP LOCKED, as TAKE_WORK's pick);
+  STALE locks the leases of the users whose due wakes PICK read past and cannot
+  take, and says when each is next due; TOOK takes the picked leases and
+  deletes exactly the wakes PICK and STALE read (by id: a wake inserted since,
+  by an ingest or a release, is not theirs to delete); the next wakes are
+  inserted; each taken user's events are claimed (CLAIM_TALLY).
+* **finish** (one run, one transaction, its lease row locked first):
+  FENCE checks the run's fence and, if it holds, closes its events, releases
+  the lease and deletes the user's wakes, in one snapshot; then its messages,
+  the delivery due time and its timers; then, in a later snapshot, the wake
+  the user's remaining work calls for. An ingest that commits between the
+  two keeps its own wake (FENCE's snapshot did not show it) and one that
+  committed before is seen by the later check, so no work is left without a
+  wake.
+
+Inserts are single rows (`VALUES`), each a router query. Which bucket a take
+looks at is the caller's (Inbox: the buckets with due wakes, longest waiting
+first, found by a read-only query across shards that locks nothing).
+"""
+
+from agent_inbox import citus
+from agent_inbox.records import ClaimPolicy, Event
+from agent_inbox.store import lease, notify
+from agent_inbox.store.clock import DB_CLOCK, NOW
+from agent_inbox.store.inbox import CLAIM_STEPS, LOOK, Finish
+
+# An open event of the user `w.user_id` (in the bucket) is claimable now.
+_CLAIMABLE = f"""EXISTS (SELECT 1 FROM events e
+                WHERE e.bucket = %(bucket)s AND e.user_id = w.user_id
+                  AND e.status IN ('pending', 'running')
+                  AND (e.attempts = 0 OR e.available_at <= {NOW}))"""
+
+# Buckets with a due wake, the longest waiting first. Spans shards; reads only,
+# locks nothing.
+DUE_BUCKETS = f"""
+SELECT bucket FROM wakes WHERE at <= greatest({NOW}, {DB_CLOCK})
+ GROUP BY bucket ORDER BY min(at), bucket
+"""
+
+# TAKE_WORK's pick, in one bucket: due wakes in order, each user's free lease
+# locked if it has claimable work, skipping leases other takes hold.
+PICK = f"""
+SELECT w.user_id, w.at, w.id
+  FROM wakes w
+  CROSS JOIN LATERAL (
+       SELECT 1 FROM leases l
+        WHERE l.bucket = %(bucket)s AND l.user_id = w.user_id AND l.until < {NOW}
+          AND {_CLAIMABLE}
+        LIMIT 1
+          FOR UPDATE OF l SKIP LOCKED) l
+ WHERE w.bucket = %(bucket)s AND w.at <= greatest({NOW}, {DB_CLOCK})
+ ORDER BY w.at, w.id
+ LIMIT %(users)s
+"""
+
+# TAKE_WORK's stale: among the first LOOK due wakes before `(at, id)` (how far
+# PICK read), those whose user cannot be taken, each lease locked, and when the
+# user is next due: a held lease at its end, else its next retry (none: no
+# open event, no wake).
+STALE = f"""
+SELECT w.user_id, w.id, l.next_at
+  FROM (SELECT user_id, at, id FROM wakes
+         WHERE bucket = %(bucket)s AND (at, id) < (%(at)s, %(id)s)
+         ORDER BY at, id LIMIT {LOOK}) w
+  CROSS JOIN LATERAL (
+       SELECT CASE WHEN l.until >= {NOW} THEN l.until + 1
+                   ELSE (SELECT min(e.available_at) FROM events e
+                          WHERE e.bucket = %(bucket)s AND e.user_id = w.user_id
+                            AND e.status IN ('pending', 'running')) END AS next_at
+         FROM leases l
+        WHERE l.bucket = %(bucket)s AND l.user_id = w.user_id
+          AND NOT (l.until < {NOW} AND {_CLAIMABLE})
+        LIMIT 1
+          FOR UPDATE OF l SKIP LOCKED) l
+"""
+
+# The picked leases taken (locked by PICK in this transaction), and the wakes
+# PICK and STALE read deleted, by id.
+TOOK = f"""
+WITH clock AS (
+    SELECT {NOW} AS now
+), took AS (
+    UPDATE leases l
+       SET holder = %(holder)s, gen = l.gen + 1, until = clock.now + %(ttl)s
+      FROM clock
+     WHERE l.bucket = %(bucket)s AND l.user_id = ANY(%(users)s::text[])
+ RETURNING l.user_id, l.gen, l.until, clock.now
+), slept AS (
+    DELETE FROM wakes w
+     WHERE w.bucket = %(bucket)s AND w.user_id = ANY(%(read_users)s::text[])
+       AND w.id = ANY(%(read_ids)s::bigint[])
+)
+SELECT user_id, gen, until, now FROM took
+"""
+
+WAKE = "INSERT INTO wakes (bucket, user_id, at) VALUES (%(bucket)s, %(user)s, %(at)s)"
+
+# CLAIM (store/inbox.py) for a lease just taken, with TAKE_WORK's tally: events
+# parked dead by this claim, and events claimed again after a run that ended
+# without a finish. One row per claimed event (a NULL event if none). Written
+# for one user like CLAIM and routed as it is (citus.route adds the bucket).
+CLAIM_TALLY = f"""
+WITH run AS (
+    SELECT l.user_id, l.gen, clock.now
+      FROM leases l, (SELECT {NOW} AS now) clock
+     WHERE l.user_id = %(user)s AND l.holder = %(holder)s
+       AND l.gen = %(gen)s AND l.until >= clock.now
+), {CLAIM_STEPS}, tally AS (
+    SELECT count(*) FILTER (WHERE status = 'dead') AS died,
+           count(*) FILTER (WHERE status = 'running' AND old_status = 'running') AS unfinished
+      FROM changed
+)
+SELECT tally.died, tally.unfinished, claimed.*
+  FROM tally LEFT JOIN claimed ON true
+ ORDER BY claimed.id
+"""
+
+
+def due_buckets(conn, now: int | None) -> list[int]:
+    return [b for b, in conn.execute(DUE_BUCKETS, {"now": now}).fetchall()]
+
+
+def take(conn, bucket: int, holder: str, ttl: int, policy: ClaimPolicy, now: int | None,
+         users: int) -> list[tuple]:
+    """TAKE_WORK in one bucket, in the caller's transaction: read_taken's rows
+    (user, gen, claimed_at, died, unfinished, events), longest waiting first."""
+    params = {"bucket": bucket, "now": now, "users": users}
+    picked = conn.execute(PICK, params).fetchall()
+    if len(picked) >= users:
+        _, at, wake_id = picked[-1]
+        reach = {"at": at, "id": wake_id}
+    else:  # every due wake was read
+        reach = {"at": conn.execute(f"SELECT greatest({NOW}, {DB_CLOCK})", params).fetchone()[0],
+                 "id": 2 ** 63 - 1}
+    stale = conn.execute(STALE, {**params, **reach}).fetchall()
+    order = list(dict.fromkeys(user for user, _, _ in picked))
+    read = [(user, wake_id) for user, _, wake_id in picked] + [(u, w) for u, w, _ in stale]
+    taken = conn.execute(TOOK, {
+        **params, "holder": holder, "ttl": ttl, "users": order,
+        "read_users": [u for u, _ in read], "read_ids": [w for _, w in read]}).fetchall()
+    next_wakes = [(user, until + 1) for user, _, until, _ in taken]
+    next_wakes += sorted({(user, at) for user, _, at in stale if at is not None})
+    for user, at in next_wakes:
+        conn.execute(WAKE, {"bucket": bucket, "user": user, "at": at})
+    gens = {user: (gen, claimed_at) for user, gen, _, claimed_at in taken}
+    runs = []
+    for user in order:
+        gen, claimed_at = gens[user]
+        rows = conn.execute(CLAIM_TALLY, {"user": user, "holder": holder, "gen": gen,
+                                          "now": now, **policy.params()}).fetchall()
+        died, unfinished = rows[0][:2]
+        events = [Event(*row[2:]) for row in rows if row[2] is not None]
+        runs.append((user, gen, claimed_at, died, unfinished, events))
+    return runs
+
+
+# FINISH's fence for one run, and what it writes in the run's own snapshot:
+# the events closed and, in FENCE_RELEASE, the lease released and the user's
+# wakes deleted (the next wake is decided after, see the module's docstring).
+# Two statements, not one with a flag: Citus cannot plan a modifying CTE whose
+# condition folds to false.
+_FENCE_STEPS = f"""clock AS (
+    SELECT {NOW} AS now
+), lease AS (
+    SELECT 1 FROM leases l, clock
+     WHERE l.bucket = %(bucket)s AND l.user_id = %(user)s AND l.holder = %(holder)s
+       AND l.gen = %(gen)s AND l.until >= clock.now
+), mine AS (
+    SELECT e.id FROM events e
+     WHERE e.bucket = %(bucket)s AND e.user_id = %(user)s AND e.id = ANY(%(ids)s::bigint[])
+       AND e.status = 'running' AND e.claim_gen = %(gen)s
+), verdict AS (
+    SELECT EXISTS (SELECT 1 FROM lease)
+           AND (SELECT count(*) FROM mine) = cardinality(%(ids)s::bigint[]) AS ok
+), closed AS (
+    UPDATE events e
+       SET status = CASE WHEN %(error)s::text IS NULL THEN 'done' ELSE 'pending' END,
+           error = %(error)s::text
+      FROM verdict
+     WHERE verdict.ok AND e.bucket = %(bucket)s AND e.user_id = %(user)s
+       AND e.id = ANY(%(ids)s::bigint[]) AND e.status = 'running' AND e.claim_gen = %(gen)s
+)"""
+
+FENCE = f"""
+WITH {_FENCE_STEPS}
+SELECT ok FROM verdict
+"""
+
+FENCE_RELEASE = f"""
+WITH {_FENCE_STEPS}, released AS (
+    UPDATE leases l SET until = clock.now - 1
+      FROM clock, verdict
+     WHERE verdict.ok AND l.bucket = %(bucket)s AND l.user_id = %(user)s
+), rested AS (
+    DELETE FROM wakes w USING verdict
+     WHERE verdict.ok AND w.bucket = %(bucket)s AND w.user_id = %(user)s
+)
+SELECT ok FROM verdict
+"""
+
+QUEUE = f"""
+INSERT INTO outbox (bucket, user_id, body, urgent, created)
+VALUES (%(bucket)s, %(user)s, %(body)s, %(urgent)s, {NOW})
+"""
+
+# FINISH's `paced`, for one user.
+PACED = f"""
+INSERT INTO deliveries AS d (bucket, user_id, due_at) VALUES (%(bucket)s, %(user)s, {NOW})
+    ON CONFLICT (bucket, user_id) DO UPDATE
+   SET due_at = CASE WHEN d.batch IS NOT NULL AND d.sending_until IS NULL
+                      AND d.due_at IS NOT NULL THEN d.due_at
+                     ELSE least(d.due_at, excluded.due_at) END
+"""
+
+# FINISH's `woke`, in a snapshot after FENCE's: a wake now if the run failed
+# (its events go back) or other events are open (this transaction sees the
+# run's own events closed already: FINISH's one snapshot did not, hence its
+# OFFSET).
+WORK_LEFT = """
+SELECT EXISTS (SELECT 1 FROM events e
+                WHERE e.bucket = %(bucket)s AND e.user_id = %(user)s
+                  AND e.status IN ('pending', 'running'))
+"""
+
+
+def finish(conn, f: Finish, now: int | None, *, release: bool) -> bool:
+    """One run's fenced finish in the caller's transaction, after its lease row
+    is locked. False (nothing written) if the fence refuses."""
+    lease.lock(conn, f.user)
+    bucket = citus.bucket(f.user)
+    params = {"bucket": bucket, "user": f.user, "holder": f.holder, "gen": f.gen,
+              "ids": f.ids, "error": f.error, "now": now}
+    [ok] = conn.execute(FENCE_RELEASE if release else FENCE, params).fetchone()
+    if not ok:
+        return False
+    if f.error is None and f.messages:
+        for body, urgent in f.messages:
+            conn.execute(QUEUE, {**params, "body": body, "urgent": urgent})
+        conn.execute(PACED, params)
+        conn.execute(f"SELECT pg_notify('{notify.OUTBOX}', '')")
+    if release:
+        [left] = conn.execute(WORK_LEFT, params).fetchone()
+        if f.error is not None or left:
+            conn.execute(WAKE, {"bucket": bucket, "user": f.user, "at": _now(conn, now)})
+    return True
+
+
+def _now(conn, now: int | None) -> int:
+    return now if now is not None else conn.execute(f"SELECT {DB_CLOCK}").fetchone()[0]
+
