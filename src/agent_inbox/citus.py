@@ -69,8 +69,13 @@ KEYS = (
 )
 
 
-# A take reads one bucket's due wakes in order (store/bucketed.py).
-BUCKET_INDEXES = ("CREATE INDEX ix_wakes_bucket_at ON wakes (bucket, at, id)",)
+# A take reads one bucket's due wakes in order, a dispatcher one bucket's due
+# deliveries (store/bucketed.py).
+BUCKET_INDEXES = (
+    "CREATE INDEX ix_wakes_bucket_at ON wakes (bucket, at, id)",
+    "CREATE INDEX ix_deliveries_bucket_due_at ON deliveries (bucket, due_at)"
+    " WHERE due_at IS NOT NULL",
+)
 
 
 def bucket(user: str) -> int:
@@ -85,6 +90,15 @@ def by_bucket(items: list, user_of) -> list[list]:
     for item in items:
         groups.setdefault(bucket(user_of(item)), []).append(item)
     return [groups[b] for b in sorted(groups)]
+
+
+def groups(conn: psycopg.Connection, items: list, user_of) -> list[list]:
+    """`items` in one group on a plain connection; on one that routes (Citus:
+    RoutedCursor), one group per bucket (by_bucket). No items, no group."""
+    if not items:
+        return []
+    routed = isinstance(conn.cursor_factory, type) and issubclass(conn.cursor_factory, RoutedCursor)
+    return by_bucket(items, user_of) if routed else [list(items)]
 
 
 def is_distributed(conn: psycopg.Connection) -> bool:
@@ -163,7 +177,7 @@ _TABLE = re.compile(r"\b(?:FROM|JOIN|UPDATE|INTO|USING)\s+(" + "|".join(USER_TAB
                     + r")(?:\s+(?:AS\s+)?(\w+))?")
 _KEYWORDS = {"where", "set", "on", "using", "values", "select", "for", "order", "group", "limit",
              "returning", "join", "cross", "left", "inner", "offset"}
-_BARE = re.compile(r"(?<![.\w])user_id = %\(user\)s")   # user_id = %(user)s
+_BARE = re.compile(r"(?<![.\w])user_id = (%\(user\)s|ANY\(%\(users\)s)")   # of the one table
 _INSERT = re.compile(r"(INSERT INTO \w+(?: AS \w+)? \()user_id,([^)]*\)\s*)"
                      r"(VALUES \(|SELECT DISTINCT |SELECT )")
 _CONFLICT = re.compile(r"ON CONFLICT \(user_id")
@@ -176,6 +190,7 @@ _BY_KEY = (
     ("e.ctid = p.version", "e.user_id = p.user_id AND e.id = p.id"),
     ("e.ctid = mine.version", "e.user_id = mine.user_id AND e.id = mine.id"),
     ("l.ctid = verdict.lease", "l.user_id = verdict.user_id"),
+    ("d.ctid = v.version", "d.user_id = v.user_id"),
 )
 
 
@@ -190,7 +205,7 @@ def route(statement: str) -> str:
     if aliases:  # e.user_id = ..., l.user_id = ... of the tables' own aliases
         aliased = re.compile(r"\b(" + "|".join(sorted(aliases)) + r")\.user_id = ")
         statement = aliased.sub(r"\1.bucket = %(bucket)s AND \1.user_id = ", statement)
-    statement = _BARE.sub("bucket = %(bucket)s AND user_id = %(user)s", statement)
+    statement = _BARE.sub(r"bucket = %(bucket)s AND user_id = \1", statement)
     statement = _CONFLICT.sub("ON CONFLICT (bucket, user_id", statement)
     return _INSERT.sub(r"\1bucket, user_id,\2\3%(bucket)s::int, ", statement)
 

@@ -7,7 +7,7 @@ from typing import Any
 
 from agent_inbox import db, errors, validate
 from agent_inbox.records import OutboxMessage
-from agent_inbox.store import outbox
+from agent_inbox.store import bucketed, outbox
 from agent_inbox.store.outbox import Batch, Failure
 
 
@@ -27,8 +27,9 @@ def describe(exc: BaseException) -> str:
 
 
 class Delivery:
-    """Mixed into `agent_inbox.Inbox` (which owns `_pool`, `outbox_gap`, `send_policy`)."""
-
+    """Mixed into `agent_inbox.Inbox` (which owns `_pool`, `outbox_gap`, `send_policy`,
+    `citus`, `_by_bucket`). On Citus a dispatcher's claims and outcomes are one transaction
+    per bucket (store/bucketed.py), each on one node."""
     def dispatch(self, user: str, send: Callable[[str], Any], *, now: int | None = None) -> int:
         """Send the user's held messages as one text, at most once per outbox_gap
         (an urgent message goes at once); the number of messages sent. `send(text)`
@@ -74,9 +75,26 @@ class Delivery:
         """Claim up to `limit` users whose delivery is due (the dispatcher's
         scan), in one short transaction: (users looked at, the batches to send
         now). Users looked at with nothing to send yet are due again when they can."""
+        if self.citus:
+            return self._claim_due_by_bucket(limit, now)
         with db.transaction(self._pool) as conn:
             locked = outbox.lock_due(conn, limit, now)
             return len(locked), self._claim(conn, locked, now)
+
+    def _claim_due_by_bucket(self, limit: int, now: int | None) -> tuple[int, list[Batch]]:
+        """On Citus: the buckets with due users, longest due first (one read
+        across shards, no lock), each claimed from in a transaction of its own."""
+        with db.connection(self._pool) as conn:
+            buckets = bucketed.due_delivery_buckets(conn, now)
+        looked, batches = 0, []
+        for bucket in buckets:
+            with db.transaction(self._pool) as conn:
+                locked = bucketed.lock_due_deliveries(conn, bucket, limit - looked, now)
+                batches += self._claim(conn, locked, now)
+            looked += len(locked)
+            if looked >= limit:
+                break
+        return looked, batches
 
     def _claim(self, conn, locked: list[str], now: int | None) -> list[Batch]:
         if not locked:
@@ -88,22 +106,23 @@ class Delivery:
         """Mark claimed batches sent, in one transaction; those whose claim was
         still theirs (a batch whose claim ran out and was claimed again is the
         other dispatcher's to mark)."""
-        if not batches:
-            return []
-        with db.transaction(self._pool) as conn:
-            marked = outbox.mark_sent(conn, batches, gap=self.outbox_gap, now=now)
+        marked: set[tuple[str, int]] = set()
+        for group in self._by_bucket(batches, lambda b: b.user):
+            with db.transaction(self._pool) as conn:
+                marked |= outbox.mark_sent(conn, group, gap=self.outbox_gap, now=now)
         return [b for b in batches if (b.user, b.batch) in marked]
 
     def record_failed(self, failures: list[Failure], *, now: int | None = None) -> dict:
         """Record failed sends in one transaction: {(user, batch): parked} for
         those whose claim was still theirs; parked batches are `failed`."""
-        if not failures:
-            return {}
         policy = self.send_policy
-        with db.transaction(self._pool) as conn:
-            return outbox.record_failed(conn, failures, max_attempts=policy.max_attempts,
-                                        backoff_base=policy.backoff_base,
-                                        backoff_cap=policy.backoff_cap, now=now)
+        recorded = {}
+        for group in self._by_bucket(failures, lambda f: f.batch.user):
+            with db.transaction(self._pool) as conn:
+                recorded |= outbox.record_failed(conn, group, max_attempts=policy.max_attempts,
+                                                 backoff_base=policy.backoff_base,
+                                                 backoff_cap=policy.backoff_cap, now=now)
+        return recorded
 
     def seconds_to_next_delivery(self, *, now: int | None = None) -> int | None:
         """Seconds until a user's delivery is next due (None: nothing held)."""

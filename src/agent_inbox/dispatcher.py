@@ -195,8 +195,9 @@ class Dispatcher:
 
     def adopt_held(self, *, now: int | None = None) -> None:
         """At most every ADOPT_EVERY seconds: make users due whose held messages
-        no dispatcher is due to look at (queued by a worker older than this schema)."""
-        if time.monotonic() - self._adopted_at < ADOPT_EVERY:
+        no dispatcher is due to look at (queued by a worker older than this schema;
+        never on Citus, which no such worker ran on)."""
+        if self.inbox.citus or time.monotonic() - self._adopted_at < ADOPT_EVERY:
             return
         with db.connection(self.inbox.pool) as conn:
             adopted = outbox.adopt_held(conn, now)

@@ -89,6 +89,14 @@ class Inbox(Runs, Scheduling, Delivery):
     def close(self) -> None:
         self._pool.close()
 
+    def _by_bucket(self, items: list, user_of=lambda item: item[0]) -> list[list]:
+        """`items` (about users: `user_of(item)`) in one group, or on Citus in
+        one group per bucket: a statement or transaction about several users
+        is then sent once per group, each to one node. No items, no group."""
+        if not items:
+            return []
+        return citus.by_bucket(items, user_of) if self.citus else [list(items)]
+
     def __enter__(self) -> "Inbox":
         return self
 
@@ -136,7 +144,9 @@ class Inbox(Runs, Scheduling, Delivery):
 
         def insert_all(conn) -> list[bool]:
             stored: dict[int, bool] = {}
-            for group in self._ingest_groups(rows):
+            # on Citus one statement per bucket (one node each; the transaction
+            # spans the nodes the batch does)
+            for group in self._by_bucket(list(enumerate(rows)), lambda item: item[1][0]):
                 for start in range(0, len(group), INGEST_CHUNK):
                     chunk = group[start:start + INGEST_CHUNK]
                     flags = inbox.insert_many(conn, [row for _, row in chunk])
@@ -150,13 +160,6 @@ class Inbox(Runs, Scheduling, Delivery):
         for (_, source, _, _, _), was_stored in zip(rows, stored):
             metrics.count_ingested(source, was_stored)
         return stored
-
-    def _ingest_groups(self, rows: list[tuple]) -> list[list[tuple[int, tuple]]]:
-        """The numbered rows in one group, or on Citus one per bucket (a
-        statement about users of one bucket goes to one node; the transaction
-        spans the nodes the batch does)."""
-        numbered = list(enumerate(rows))
-        return citus.by_bucket(numbered, lambda item: item[1][0]) if self.citus else [numbered]
 
     def events(self, user: str, *, status: str | None = None) -> list[Event]:
         """A user's events, ordered by id; for operators and tests."""

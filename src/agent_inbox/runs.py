@@ -16,7 +16,7 @@ and give-backs are sent once per bucket.
 
 from dataclasses import dataclass
 
-from agent_inbox import citus, db, errors, validate
+from agent_inbox import db, errors, validate
 from agent_inbox.records import Event
 from agent_inbox.result import ApprovalRequest, Message, Result, TimerRequest
 from agent_inbox.store import approvals, bucketed, inbox, lease, timers
@@ -61,7 +61,8 @@ class Outcome:
 
 
 class Runs:
-    """Mixed into `agent_inbox.Inbox` (which owns `_pool`, `policy`, `lease_ttl`)."""
+    """Mixed into `agent_inbox.Inbox` (which owns `_pool`, `policy`, `lease_ttl`,
+    `citus`, `_by_bucket`)."""
 
     def take_work(self, holder: str, *, now: int | None = None) -> Run | None:
         """Find the user whose oldest claimable event has waited longest among
@@ -114,13 +115,6 @@ class Runs:
         now = validate.optional_epoch("now", now)
         with db.connection(self._pool) as conn:
             return bool(lease.release(conn, holder, [(user, gen)], now))
-
-    def _by_bucket(self, keys: list[tuple]) -> list[list[tuple]]:
-        """(user, ...) keys in one group, or on Citus in one group per bucket:
-        a statement about several users is then sent once per group."""
-        if not self.citus:
-            return [keys] if keys else []
-        return citus.by_bucket(keys, lambda key: key[0])
 
     def _release(self, conn, holder: str, keys: list[tuple[str, int]], now: int | None,
                  **options) -> list[str]:

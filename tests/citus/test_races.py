@@ -4,6 +4,8 @@ racers reads citus_stat_activity, where their waits on the worker nodes show.
 """
 
 from tests.test_concurrency import (  # noqa: F401 -- collected here, under this folder's fixtures
+    test_dispatchers_looping_over_many_users_send_each_message_once,
+    test_dispatchers_of_one_user_send_each_message_once,
     test_simultaneous_first_acquires_give_exactly_one_lease,
     test_simultaneous_ingests_of_one_key_store_it_once,
     test_stale_holders_finish_racing_a_takeover_is_refused,

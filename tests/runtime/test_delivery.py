@@ -11,9 +11,9 @@ import threading
 import psycopg
 import pytest
 
-from agent_inbox import Message, PermanentSendError, Result, db
+from agent_inbox import Message, PermanentSendError, Result, citus, db
 from agent_inbox.dispatcher import Dispatcher
-from agent_inbox.store import outbox
+from agent_inbox.store import bucketed, outbox
 from tests.races import Racers, wait_for_lock_waiters
 from tests.runtime.support import ROOT
 
@@ -155,6 +155,15 @@ def test_operators_see_retry_and_discard_failed_batches(database_url, make_inbox
     assert recorded == [("outbox_retry", batch_a, None), ("outbox_discard", batch_b, ["to b"])]
 
 
+def lock_due_as_a_dispatcher(conn, user, now):
+    """A dispatcher's first claim step, as the Inbox sends it (on Citus: in the
+    user's bucket, routed)."""
+    if citus.is_distributed(conn):
+        conn.cursor_factory = citus.RoutedCursor
+        return bucketed.lock_due_deliveries(conn, citus.bucket(user), 10, now)
+    return outbox.lock_due(conn, 10, now)
+
+
 def test_a_message_queued_while_a_dispatcher_decides_is_not_lost(database_url, make_inbox,
                                                                  inbox):
     """The dispatcher holds the user's delivery row (nothing held yet); a finish
@@ -165,7 +174,7 @@ def test_a_message_queued_while_a_dispatcher_decides_is_not_lost(database_url, m
     with psycopg.connect(database_url) as conn:         # a dispatcher's claim, held open
         conn.execute("UPDATE deliveries SET due_at = %s WHERE user_id = 'u'", (T,))
         conn.commit()
-        assert outbox.lock_due(conn, 10, T) == ["u"]
+        assert lock_due_as_a_dispatcher(conn, "u", T) == ["u"]
         finishing = make_inbox(application_name="finish-racer")
         inbox.ingest("u", "chat", "late", {})
         run = finishing.take_work("w-late", now=T + 1)

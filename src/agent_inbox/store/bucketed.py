@@ -30,6 +30,10 @@ before it saw):
 Inserts are single rows (`VALUES`), each a router query. Which bucket a take
 looks at is the caller's (Inbox: the buckets with due wakes, longest waiting
 first, found by a read-only query across shards that locks nothing).
+
+* **delivery**: a dispatcher claims due users one bucket at a time
+  (DUE_DELIVERY_BUCKETS, then LOCK_DUE_IN_BUCKET; store/outbox.py's CLAIM is
+  then about users of one bucket and routed as it is).
 """
 
 from agent_inbox import citus
@@ -262,3 +266,30 @@ def finish(conn, f: Finish, now: int | None, *, release: bool) -> bool:
 def _now(conn, now: int | None) -> int:
     return now if now is not None else conn.execute(f"SELECT {DB_CLOCK}").fetchone()[0]
 
+
+# --- delivery ------------------------------------------------------------------
+
+# Buckets with a user whose delivery is due, the longest due first. Spans
+# shards; reads only, locks nothing.
+DUE_DELIVERY_BUCKETS = f"""
+SELECT bucket FROM deliveries WHERE due_at <= {NOW}
+ GROUP BY bucket ORDER BY min(due_at), bucket
+"""
+
+# store/outbox.py's LOCK_DUE in one bucket.
+LOCK_DUE_IN_BUCKET = f"""
+SELECT user_id FROM deliveries
+ WHERE bucket = %(bucket)s AND due_at <= {NOW}
+ ORDER BY due_at
+ LIMIT %(users)s
+   FOR UPDATE SKIP LOCKED
+"""
+
+
+def due_delivery_buckets(conn, now: int | None) -> list[int]:
+    return [b for b, in conn.execute(DUE_DELIVERY_BUCKETS, {"now": now}).fetchall()]
+
+
+def lock_due_deliveries(conn, bucket: int, limit: int, now: int | None) -> list[str]:
+    params = {"bucket": bucket, "users": limit, "now": now}
+    return [u for u, in conn.execute(LOCK_DUE_IN_BUCKET, params).fetchall()]

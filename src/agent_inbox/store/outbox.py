@@ -29,10 +29,12 @@ before the decision saw its rows, or waits for the lock and makes the user due
 again after it. So a held message is never left with no dispatcher due to look.
 """
 
+import random
 from dataclasses import dataclass
 
 from psycopg.rows import class_row, dict_row
 
+from agent_inbox import citus
 from agent_inbox.records import OutboxMessage
 from agent_inbox.store import notify
 from agent_inbox.store.clock import NOW
@@ -94,18 +96,19 @@ WITH clock AS (
     UPDATE outbox o SET batch = v.first_held
       FROM verdict v JOIN held h ON h.user_id = v.user_id
      WHERE v.verdict = 'send' AND o.user_id = h.user_id AND o.id = h.id
-), claimed AS (
+), claimed AS (  -- searched CASEs: Citus deparses `CASE x WHEN ...` in an UPDATE wrongly
     UPDATE deliveries d
-       SET batch = CASE v.verdict WHEN 'send' THEN v.first_held WHEN 'resend' THEN v.written
-                                  WHEN 'in_flight' THEN d.batch END,
-           sending_until = CASE v.verdict WHEN 'in_flight' THEN d.sending_until
-                                          WHEN 'send' THEN v.now + %(send_timeout)s
-                                          WHEN 'resend' THEN v.now + %(send_timeout)s END,
+       SET batch = CASE WHEN v.verdict = 'send' THEN v.first_held
+                        WHEN v.verdict = 'resend' THEN v.written
+                        WHEN v.verdict = 'in_flight' THEN d.batch END,
+           sending_until = CASE WHEN v.verdict = 'in_flight' THEN d.sending_until
+                                WHEN v.verdict IN ('send', 'resend')
+                                THEN v.now + %(send_timeout)s END,
            send_token = d.send_token + (v.verdict IN ('send', 'resend'))::int,
-           due_at = CASE v.verdict WHEN 'idle' THEN NULL
-                                   WHEN 'paced' THEN d.last_sent_at + %(gap)s
-                                   WHEN 'in_flight' THEN d.sending_until
-                                   ELSE v.now + %(send_timeout)s END
+           due_at = CASE WHEN v.verdict = 'idle' THEN NULL
+                         WHEN v.verdict = 'paced' THEN d.last_sent_at + %(gap)s
+                         WHEN v.verdict = 'in_flight' THEN d.sending_until
+                         ELSE v.now + %(send_timeout)s END
       FROM verdict v
      WHERE d.ctid = v.version
  RETURNING d.user_id, d.batch, d.send_token, v.verdict
@@ -187,7 +190,8 @@ SELECT user_id, batch FROM marked
 """
 
 # Failed sends, fenced like MARK_SENT: the batch is retried after a backoff
-# (base * 2^(failures - 1), capped, scaled by a random factor in [0.5, 1]), or
+# (base * 2^(failures - 1), capped, scaled by a random factor in [0.5, 1] drawn
+# per failure by the caller: Citus refuses random() in an UPDATE), or
 # parked `failed` once it has failed max_attempts times or the channel said it
 # never can succeed; then the user's later messages are due now.
 _PARKS = "(k.permanent OR d.attempts + 1 >= %(max_attempts)s)"
@@ -196,8 +200,8 @@ WITH clock AS (
     SELECT {NOW} AS now
 ), failed AS (
     SELECT * FROM unnest(%(users)s::text[], %(batches)s::bigint[], %(tokens)s::bigint[],
-                         %(errors)s::text[], %(permanent)s::boolean[])
-                  AS k(user_id, batch, token, error, permanent)
+                         %(errors)s::text[], %(permanent)s::boolean[], %(jitters)s::float8[])
+                  AS k(user_id, batch, token, error, permanent, jitter)
 ), recorded AS (
     UPDATE deliveries d
        SET attempts = CASE WHEN {_PARKS} THEN 0 ELSE d.attempts + 1 END,
@@ -205,7 +209,7 @@ WITH clock AS (
            due_at = CASE WHEN {_PARKS} THEN clock.now
                          ELSE clock.now + floor(least(%(backoff_cap)s::float8,
                                                       %(backoff_base)s * 2 ^ d.attempts)
-                                                * (0.5 + random() / 2))::bigint END,
+                                                * k.jitter)::bigint END,
            sending_until = NULL, last_error = k.error
       FROM failed k, clock
      WHERE d.user_id = k.user_id AND d.batch = k.batch AND d.send_token = k.token
@@ -256,7 +260,8 @@ def record_failed(conn, failures: list[Failure], *, max_attempts: int, backoff_b
     """{(user, batch): parked} for the failures recorded (the others were taken over)."""
     _lock_in_order(conn, [f.batch for f in failures])
     params = {**_keys([f.batch for f in failures]), "errors": [f.error for f in failures],
-              "permanent": [f.permanent for f in failures], "max_attempts": max_attempts,
+              "permanent": [f.permanent for f in failures],
+              "jitters": [random.uniform(0.5, 1.0) for _ in failures], "max_attempts": max_attempts,
               "backoff_base": backoff_base, "backoff_cap": backoff_cap, "now": now}
     return {(user, batch): parked
             for user, batch, parked in conn.execute(RECORD_FAILED, params).fetchall()}
@@ -290,17 +295,15 @@ def adopt_held(conn, now: int | None) -> int:
 
 
 # Operator repairs of parked batches, by batch id (its first row's id, unique
-# across users). The users' delivery rows are locked first, in user order (as
-# every dispatcher path locks them before a user's rows); only batches still
-# failed once locked change, and each repair is recorded in operator_actions.
+# across users). Their users are found (a read, no lock), then, per bucket on
+# Citus, the users' delivery rows are locked in user order (as every
+# dispatcher path locks them before a user's rows); only batches still failed
+# once locked change, and each repair is recorded in operator_actions.
 # Finding a batch by id reads the held rows' index: for operators, not the run path.
-LOCK_FAILED = """
-SELECT d.user_id FROM deliveries d
- WHERE d.user_id IN (SELECT o.user_id FROM outbox o
-                      WHERE o.batch = ANY(%(batches)s::bigint[])
-                        AND o.sent_at IS NULL AND o.failed_at IS NOT NULL)
- ORDER BY d.user_id
-   FOR UPDATE OF d
+FAILED_USERS = """
+SELECT DISTINCT o.user_id FROM outbox o
+ WHERE o.batch = ANY(%(batches)s::bigint[]) AND o.sent_at IS NULL AND o.failed_at IS NOT NULL
+ ORDER BY 1
 """
 
 _FAILED_BATCHES = """target AS (
@@ -356,18 +359,17 @@ def repair_failed(conn, batches: list[int], *, retry: bool, actor: str,
                   now: int | None) -> list[dict]:
     """Retry (or discard) the failed batches among `batches`, in the caller's
     transaction; the batches repaired, as they were."""
-    users = lock_failed(conn, batches)
-    params = {"batches": batches, "users": users, "actor": actor, "now": now,
-              "action": "outbox_retry" if retry else "outbox_discard"}
-    with conn.cursor(row_factory=dict_row) as cur:
-        rows = cur.execute(RETRY_FAILED if retry else DISCARD_FAILED, params).fetchall()
+    users = [u for u, in conn.execute(FAILED_USERS, {"batches": batches}).fetchall()]
+    rows = []
+    for group in citus.groups(conn, users, lambda user: user):
+        conn.execute(LOCK_USERS, {"users": group})
+        params = {"batches": batches, "users": group, "actor": actor, "now": now,
+                  "action": "outbox_retry" if retry else "outbox_discard"}
+        with conn.cursor(row_factory=dict_row) as cur:
+            rows += cur.execute(RETRY_FAILED if retry else DISCARD_FAILED, params).fetchall()
     if rows and retry:
         conn.execute(f"SELECT pg_notify('{notify.OUTBOX}', '')")
-    return rows
-
-
-def lock_failed(conn, batches: list[int]) -> list[str]:
-    return [u for u, in conn.execute(LOCK_FAILED, {"batches": batches}).fetchall()]
+    return sorted(rows, key=lambda row: (row["user"], row["batch"]))
 
 
 # Operator view: what the named batches are now (sent, held or failed).
