@@ -17,7 +17,6 @@ import pytest
 import agent_inbox.inbox
 from agent_inbox import citus
 from agent_inbox.store import lease as lease_store
-from agent_inbox.store import timers as timer_store
 from tests.races import Racers, wait_for_lock_waiters
 
 T = 1_700_000_000
@@ -187,14 +186,13 @@ def test_concurrent_schedulers_over_many_batches_fire_each_timer_once(
     """Four schedulers making many small-batch passes at once: each timer fires exactly once."""
     monkeypatch.setattr(agent_inbox.scheduling, "SCHEDULER_BATCH", 7)
     batches = []  # timers fired by each batch, across all schedulers
-    fire_due = timer_store.fire_due
+    count_fired = agent_inbox.scheduling.Scheduling._count_fired
 
-    def counted_fire_due(conn, now, limit):
-        fired, skipped = fire_due(conn, now, limit)
-        batches.append(fired)
-        return fired, skipped
+    def counted(batch):
+        batches.append(batch.fired)
+        count_fired(batch)
 
-    monkeypatch.setattr(timer_store, "fire_due", counted_fire_due)
+    monkeypatch.setattr(agent_inbox.scheduling.Scheduling, "_count_fired", staticmethod(counted))
     expected = arm_timers(inbox, users=100)
     schedulers = racer_inboxes(make_inbox, 4)
     start = threading.Barrier(len(schedulers))

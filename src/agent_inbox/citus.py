@@ -214,10 +214,11 @@ def bucket_of(params: dict) -> int | None:
     """The bucket a statement's parameters are about: `bucket`, or that of
     `user`, or that of every one of `users` (a statement about users of two
     buckets is refused: the caller sends one per bucket); None for a statement
-    about no user."""
+    about no user (an operator view with no user named reads every shard,
+    locking nothing)."""
     if "bucket" in params:
         return params["bucket"]
-    if "user" in params:
+    if params.get("user") is not None:
         return bucket(params["user"])
     if "users" in params:
         buckets = {bucket(user) for user in params["users"]}

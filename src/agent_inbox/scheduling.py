@@ -1,6 +1,7 @@
 """Timers and approvals: create and list timers, run the scheduler, request and
 answer approvals (the answer and the expiry race under one inbox key)."""
 
+import functools
 import logging
 from collections.abc import Mapping
 from typing import Any
@@ -8,7 +9,7 @@ from typing import Any
 from agent_inbox import cron as cron_schedule
 from agent_inbox import db, errors, metrics, validate
 from agent_inbox.records import Timer
-from agent_inbox.store import approvals, timers
+from agent_inbox.store import approvals, bucketed, timers
 
 log = logging.getLogger("agent_inbox.scheduler")
 
@@ -20,7 +21,7 @@ SCHEDULER_BATCH = 500
 
 
 class Scheduling:
-    """Mixed into `agent_inbox.Inbox` (which owns `_pool`, `max_payload_bytes`)."""
+    """Mixed into `agent_inbox.Inbox` (which owns `_pool`, `max_payload_bytes`, `citus`)."""
 
     def add_timer(self, user: str, timer_id: str, due: int, payload: Mapping[str, Any], *,
                   every: int | None = None, key: tuple[str, str] | None = None,
@@ -91,20 +92,30 @@ class Scheduling:
         now = validate.optional_epoch("now", now)
         fired_total = 0
         with db.connection(self._pool) as conn:
-            for fire in (timers.fire_due_batch, timers.fire_due_cron):
+            if self.citus:  # one bucket's timers per transaction (store/bucketed.py)
+                firings = [functools.partial(bucketed.fire_timers, conn, bucket)
+                           for bucket in bucketed.due_timer_buckets(conn, now)]
+            else:
+                firings = [functools.partial(fire, conn)
+                           for fire in (timers.fire_due_batch, timers.fire_due_cron)]
+            for fire in firings:
                 while True:
                     with conn.transaction():
-                        batch = fire(conn, now, SCHEDULER_BATCH)
+                        batch = fire(now, SCHEDULER_BATCH)
                     fired_total += batch.fired
-                    metrics.TIMERS_FIRED.inc(batch.fired)
-                    metrics.OCCURRENCES_SKIPPED.inc(batch.skipped)
-                    metrics.TIMERS_PARKED.inc(len(batch.parked))
-                    for user, timer_id, error in batch.parked:
-                        log.warning("timer parked: user=%s timer=%s: %s (add_timer re-arms it)",
-                                    user, timer_id, error)
+                    self._count_fired(batch)
                     if batch.fired + len(batch.parked) < SCHEDULER_BATCH:
                         break
         return fired_total
+
+    @staticmethod
+    def _count_fired(batch) -> None:  # a store.timers.Batch
+        metrics.TIMERS_FIRED.inc(batch.fired)
+        metrics.OCCURRENCES_SKIPPED.inc(batch.skipped)
+        metrics.TIMERS_PARKED.inc(len(batch.parked))
+        for user, timer_id, error in batch.parked:
+            log.warning("timer parked: user=%s timer=%s: %s (add_timer re-arms it)",
+                        user, timer_id, error)
 
     def request_approval(self, user: str, request_id: str, *, expires_in: int, action: Any,
                          now: int | None = None) -> int:
@@ -125,4 +136,6 @@ class Scheduling:
         answer = validate.answer("answer", answer)
         now = validate.optional_epoch("now", now)
         with db.transaction(self._pool) as conn:
+            if self.citus:
+                return bucketed.answer(conn, user, request_id, answer, now)
             return approvals.answer(conn, user, request_id, answer, now)

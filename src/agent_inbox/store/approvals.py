@@ -44,6 +44,11 @@ def answer(conn, user: str, request_id: str, answer: str, now: int | None) -> st
     while True:
         if not conn.execute(ANSWER, params).fetchone()[0]:
             return "unknown"
-        standing = conn.execute(STANDING, params).fetchone()
+        standing = standing_answer(conn, user, request_id)
         if standing is not None:  # else an operator deleted it in between: store again
-            return standing[0]
+            return standing
+
+
+def standing_answer(conn, user: str, request_id: str) -> str | None:
+    row = conn.execute(STANDING, {"user": user, "request_id": request_id}).fetchone()
+    return None if row is None else row[0]

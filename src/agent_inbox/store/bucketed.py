@@ -34,11 +34,20 @@ first, found by a read-only query across shards that locks nothing).
 * **delivery**: a dispatcher claims due users one bucket at a time
   (DUE_DELIVERY_BUCKETS, then LOCK_DUE_IN_BUCKET; store/outbox.py's CLAIM is
   then about users of one bucket and routed as it is).
+* **timers**: a scheduler takes one bucket's due timers at a time (locked,
+  SKIP LOCKED) and fires them one by one (store/timers.py's fire_each: Citus
+  cannot run FIRE_DUE, an INSERT ... SELECT from its own CTEs, as one
+  statement), then does the trigger's work for their users.
+* **approvals**: the answer reads the request and its deadline, then inserts
+  under the request's key: whichever of the answer and the expiry is inserted
+  first still stands, by the key.
 """
+
+import json
 
 from agent_inbox import citus
 from agent_inbox.records import ClaimPolicy, Event
-from agent_inbox.store import lease, notify
+from agent_inbox.store import approvals, inbox, lease, notify, timers
 from agent_inbox.store.clock import DB_CLOCK, NOW
 from agent_inbox.store.inbox import CLAIM_STEPS, LOOK, Finish
 
@@ -293,3 +302,61 @@ def due_delivery_buckets(conn, now: int | None) -> list[int]:
 def lock_due_deliveries(conn, bucket: int, limit: int, now: int | None) -> list[str]:
     params = {"bucket": bucket, "users": limit, "now": now}
     return [u for u, in conn.execute(LOCK_DUE_IN_BUCKET, params).fetchall()]
+
+
+# --- timers --------------------------------------------------------------------
+
+# Buckets with a due timer, the longest due first. Spans shards; reads only.
+DUE_TIMER_BUCKETS = f"""
+SELECT bucket FROM timers WHERE NOT done AND due <= {NOW}
+ GROUP BY bucket ORDER BY min(due), bucket
+"""
+
+# One bucket's due timers, oldest first, locked, skipping those another
+# scheduler holds.
+RIPE_IN_BUCKET = f"""
+WITH clock AS (SELECT {NOW} AS now)
+SELECT {timers.RIPE_COLUMNS}
+  FROM timers t, clock
+ WHERE t.bucket = %(bucket)s AND NOT t.done AND t.due <= clock.now
+ ORDER BY t.due LIMIT %(limit)s
+   FOR UPDATE OF t SKIP LOCKED
+"""
+
+
+def due_timer_buckets(conn, now: int | None) -> list[int]:
+    return [b for b, in conn.execute(DUE_TIMER_BUCKETS, {"now": now}).fetchall()]
+
+
+def fire_timers(conn, bucket: int, now: int | None, limit: int) -> timers.Batch:
+    """One batch of a bucket's due timers, in the caller's transaction; the
+    users whose timers fired get their lease rows and wakes (citus.events_inserted)."""
+    ripe = conn.execute(RIPE_IN_BUCKET, {"bucket": bucket, "now": now, "limit": limit}).fetchall()
+    batch = timers.fire_each(conn, now, ripe)
+    parked = {(user, timer_id) for user, timer_id, _ in batch.parked}
+    citus.events_inserted(conn, [row[0] for row in ripe if (row[0], row[1]) not in parked])
+    return batch
+
+
+# --- approvals -----------------------------------------------------------------
+
+REQUEST = f"""
+SELECT {NOW} >= due, payload FROM timers WHERE user_id = %(user)s AND timer_id = %(timer_id)s
+"""
+
+
+def answer(conn, user: str, request_id: str, answer: str, now: int | None) -> str:
+    """store/approvals.py's answer, in steps: the request and whether its
+    deadline has passed, then the answer (or the expiry) under its key."""
+    timer_id = approvals.expiry_timer_id(request_id)
+    while True:
+        request = conn.execute(REQUEST, {"user": user, "timer_id": timer_id, "now": now}).fetchone()
+        if request is None:
+            return "unknown"
+        expired, expiry = request
+        payload = expiry if expired else {"approval": request_id, "answer": answer}
+        if inbox.insert(conn, user, "approval", request_id, json.dumps(payload)):
+            citus.events_inserted(conn, [user])
+        standing = approvals.standing_answer(conn, user, request_id)
+        if standing is not None:  # else an operator deleted it in between: store again
+            return standing

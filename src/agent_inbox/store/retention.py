@@ -7,6 +7,7 @@ are kept unless asked for: they are what alerting reads. Work goes user by user
 (every statement names its users), a chunk of users per transaction.
 """
 
+from agent_inbox import citus
 from agent_inbox.store.clock import NOW
 
 # Spans users (an operator's scan): the next chunk of users, in order.
@@ -14,20 +15,25 @@ USERS_AFTER = """
 SELECT user_id FROM leases WHERE user_id > %(after)s ORDER BY user_id LIMIT %(limit)s
 """
 
-# Older than the retention age and the dedup window: gone, key and all.
+# Older than the retention age and the dedup window: gone, key and all. (The
+# clock in a CTE of its own: Citus refuses a volatile function in the WHERE of
+# a distributed modification, and evaluates the CTE on the coordinator.)
 DELETE_OLD = f"""
-DELETE FROM events
- WHERE user_id = ANY(%(users)s::text[]) AND status = ANY(%(statuses)s::text[])
-   AND created_at < {NOW} - greatest(%(older_than)s, %(window)s)
+WITH clock AS (SELECT {NOW} AS now)
+DELETE FROM events e USING clock
+ WHERE e.user_id = ANY(%(users)s::text[]) AND e.status = ANY(%(statuses)s::text[])
+   AND e.created_at < clock.now - greatest(%(older_than)s, %(window)s)
 """
 
 # Older than the retention age, still inside the dedup window: the key stays.
 COMPACT = f"""
-UPDATE events SET payload = '{{"pruned": true}}'::jsonb
- WHERE user_id = ANY(%(users)s::text[]) AND status = ANY(%(statuses)s::text[])
-   AND created_at < {NOW} - %(older_than)s
-   AND source <> 'approval'  -- the answer that stands is read from its payload
-   AND payload <> '{{"pruned": true}}'::jsonb
+WITH clock AS (SELECT {NOW} AS now)
+UPDATE events e SET payload = '{{"pruned": true}}'::jsonb
+  FROM clock
+ WHERE e.user_id = ANY(%(users)s::text[]) AND e.status = ANY(%(statuses)s::text[])
+   AND e.created_at < clock.now - %(older_than)s
+   AND e.source <> 'approval'  -- the answer that stands is read from its payload
+   AND e.payload <> '{{"pruned": true}}'::jsonb
 """
 
 
@@ -37,9 +43,12 @@ def users_after(conn, after: str, limit: int) -> list[str]:
 
 def prune_users(conn, users: list[str], *, older_than: int, window: int, statuses: list[str],
                 now: int | None) -> tuple[int, int]:
-    """(deleted, compacted) for these users, in the caller's transaction."""
-    params = {"users": users, "statuses": statuses, "older_than": older_than, "window": window,
-              "now": now}
-    deleted = conn.execute(DELETE_OLD, params).rowcount
-    compacted = conn.execute(COMPACT, params).rowcount
+    """(deleted, compacted) for these users, in the caller's transaction (on
+    Citus one statement per bucket)."""
+    deleted = compacted = 0
+    for group in citus.groups(conn, users, lambda user: user):
+        params = {"users": group, "statuses": statuses, "older_than": older_than,
+                  "window": window, "now": now}
+        deleted += conn.execute(DELETE_OLD, params).rowcount
+        compacted += conn.execute(COMPACT, params).rowcount
     return deleted, compacted

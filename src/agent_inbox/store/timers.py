@@ -41,8 +41,11 @@ ON CONFLICT (user_id, timer_id) DO UPDATE
        catch_up_limit = excluded.catch_up_limit, payload = excluded.payload,
        event_source = excluded.event_source, event_source_id = excluded.event_source_id,
        done = false, parked_at = NULL, error = NULL
-RETURNING due, pg_notify('{notify.TIMERS}', '')
+RETURNING due
 """
+# Wakes the schedulers (sent by the client's own session: on Citus a NOTIFY
+# raised on a worker node reaches no listener).
+TIMER_CHANGED = f"SELECT pg_notify('{notify.TIMERS}', '')"
 
 
 def upsert(conn, user: str, timer_id: str, *, base: int | None, delay: int, every: int | None,
@@ -55,7 +58,9 @@ def upsert(conn, user: str, timer_id: str, *, base: int | None, delay: int, ever
         "cron": cron, "timezone": timezone, "missed": missed, "catch_up_limit": catch_up_limit,
         "payload": payload_json, "event_source": source, "event_source_id": source_id,
     }
-    return conn.execute(UPSERT, params).fetchone()[0]
+    due = conn.execute(UPSERT, params).fetchone()[0]
+    conn.execute(TIMER_CHANGED)
+    return due
 
 
 class Batch(NamedTuple):
@@ -70,7 +75,7 @@ class Batch(NamedTuple):
 # Errors a statement raises because of one row's data (a bigint overflow, a
 # payload that cannot be built): that row is parked. Any other database error
 # (connection, lock or statement timeout, serialization) fails the pass.
-_ROW_ERRORS = (psycopg.DataError, psycopg.IntegrityError)
+ROW_ERRORS = (psycopg.DataError, psycopg.IntegrityError)
 
 # A scan's batch: the oldest due first.
 _OLDEST = "ORDER BY t.due LIMIT %(limit)s"
@@ -146,12 +151,14 @@ FIRE_ONE = _fire_sql("AND t.user_id = %(user)s AND t.timer_id = %(timer_id)s")
 RIPE_ONE_OFF = f"WITH clock AS (SELECT {NOW} AS now)\n" + _ripe("t.user_id, t.timer_id", "NULL")
 
 PARK = f"""
-UPDATE timers SET done = true, parked_at = {NOW}, error = %(error)s
+WITH clock AS (SELECT {NOW} AS now)
+UPDATE timers SET done = true, parked_at = clock.now, error = %(error)s
+  FROM clock
  WHERE user_id = %(user)s AND timer_id = %(timer_id)s
 """
 
 
-def _park(conn, now: int | None, user: str, timer_id: str, exc: Exception) -> tuple[str, str, str]:
+def park(conn, now: int | None, user: str, timer_id: str, exc: Exception) -> tuple[str, str, str]:
     """Park a timer the caller holds locked, with what `exc` says."""
     error = f"{type(exc).__name__}: {exc}"
     conn.execute(PARK, {"now": now, "user": user, "timer_id": timer_id, "error": error})
@@ -171,7 +178,7 @@ def fire_due_batch(conn, now: int | None, limit: int) -> Batch:
     try:
         with conn.transaction():
             return Batch(*fire_due(conn, now, limit), [])
-    except _ROW_ERRORS:
+    except ROW_ERRORS:
         pass  # a row's data failed the statement: the batch again, one timer at a time
     fired = skipped = 0
     parked = []
@@ -180,23 +187,29 @@ def fire_due_batch(conn, now: int | None, limit: int) -> Batch:
         try:
             with conn.transaction():
                 one_fired, one_skipped = conn.execute(FIRE_ONE, params).fetchone()
-        except _ROW_ERRORS as exc:
-            parked.append(_park(conn, now, user, timer_id, exc))
+        except ROW_ERRORS as exc:
+            parked.append(park(conn, now, user, timer_id, exc))
         else:
             fired += one_fired
             skipped += int(one_skipped)
     return Batch(fired, skipped, parked)
 
 
+# The columns fire_each reads of a locked due timer, then the clock.
+RIPE_COLUMNS = ("t.user_id, t.timer_id, t.due, t.every, t.cron, t.timezone, t.missed,"
+                " t.catch_up_limit, t.payload, t.event_source, t.event_source_id, clock.now")
+
 # Spans users (the scheduler's scan): due cron timers, taken as FIRE_DUE takes
 # its timers; their occurrences are computed in Python (cron.py).
-RIPE_CRON = f"WITH clock AS (SELECT {NOW} AS now)\n" + _ripe(
-    "t.user_id, t.timer_id, t.due, t.cron, t.timezone, t.missed, t.catch_up_limit, t.payload,"
-    " clock.now", "NOT NULL")
+RIPE_CRON = f"WITH clock AS (SELECT {NOW} AS now)\n" + _ripe(RIPE_COLUMNS, "NOT NULL")
 
 ADVANCE_CRON = """
 UPDATE timers SET due = %(due)s WHERE user_id = %(user)s AND timer_id = %(timer_id)s
 """
+ADVANCE = """
+UPDATE timers SET due = %(due)s, done = %(done)s WHERE user_id = %(user)s AND timer_id = %(timer_id)s
+"""
+
 
 # Occurrences counted one by one at most this far; beyond it a firing reports
 # "at least" this many skipped (a minutely cron after a three-month outage).
@@ -216,7 +229,8 @@ def _occurrences(schedule: cron.Schedule, first: int, until: int, keep: int) -> 
     return list(kept), total
 
 
-def _fire_cron(conn, user, timer_id, due, expression, zone, missed, cap, payload, now_db) -> int:
+def fire_cron(conn, user, timer_id, due, expression, zone, missed, cap, payload,
+              now_db) -> int:
     """Fire one locked cron timer and advance it; the occurrences skipped."""
     if not isinstance(payload, dict):
         raise errors.InvalidTimer("payload", payload, "must be a JSON object")
@@ -236,42 +250,73 @@ def _fire_cron(conn, user, timer_id, due, expression, zone, missed, cap, payload
     return total - len(emitted)
 
 
-def fire_due_cron(conn, now: int | None, limit: int) -> Batch:
-    """One batch of due cron timers, in the caller's transaction, each under a
-    savepoint: one that raises because of its row (a time zone or cron this host
-    cannot evaluate, a payload that is not an object) is parked, the others fire."""
-    ripe = conn.execute(RIPE_CRON, {"now": now, "limit": limit}).fetchall()
+def fire_every(conn, user, timer_id, due, every, missed, cap, payload, event_source,
+               event_source_id, now_db) -> int:
+    """Fire one locked one-off or `every` timer and advance it, by FIRE_DUE's
+    rules for one row (the occurrences, their keys and payloads, the next due
+    time), with Python doing the arithmetic; the occurrences skipped. For Citus,
+    which cannot run FIRE_DUE as one statement (store/bucketed.py)."""
+    skipped = 0 if every is None else (now_db - due) // every
+    emitted = range(min(skipped, cap - 1) if missed == "catch_up" else 0, -1, -1)
+    rows = []
+    for at in (due + (skipped - k) * (every or 0) for k in emitted):
+        body = dict(payload, scheduled_for=at, late_by=now_db - at)
+        if missed == "coalesce":
+            body["skipped"] = skipped
+        else:
+            body.update(skipped=0, overflow=max(0, skipped + 1 - cap))
+        rows.append((user, event_source or "timer", event_source_id or f"{timer_id}@{at}",
+                     json.dumps(body), None))
+    inbox.insert_many(conn, rows)
+    conn.execute(ADVANCE, {"user": user, "timer_id": timer_id, "done": every is None,
+                           "due": due if every is None else due + (skipped + 1) * every})
+    return skipped if missed == "coalesce" else max(0, skipped + 1 - cap)
+
+
+def fire_each(conn, now: int | None, ripe: list[tuple]) -> Batch:
+    """Fire locked due timers (rows of RIPE_COLUMNS) one by one, in the caller's
+    transaction, each under a savepoint: one that raises because of its row (a
+    time zone or cron this host cannot evaluate, a payload that is not an
+    object, a next due time past a bigint) is parked, the others fire."""
     skipped = 0
     parked = []
-    for user, timer_id, *row in ripe:
+    for user, timer_id, due, every, expression, zone, missed, cap, payload, source, source_id, \
+            now_db in ripe:
         try:
             with conn.transaction():
-                one_skipped = _fire_cron(conn, user, timer_id, *row)
+                if expression is not None:
+                    skipped += fire_cron(conn, user, timer_id, due, expression, zone, missed, cap,
+                                         payload, now_db)
+                else:
+                    skipped += fire_every(conn, user, timer_id, due, every, missed, cap, payload,
+                                          source, source_id, now_db)
         except Exception as exc:
-            if isinstance(exc, psycopg.Error) and not isinstance(exc, _ROW_ERRORS):
+            if isinstance(exc, psycopg.Error) and not isinstance(exc, ROW_ERRORS):
                 raise
-            parked.append(_park(conn, now, user, timer_id, exc))
-        else:
-            skipped += one_skipped
+            parked.append(park(conn, now, user, timer_id, exc))
     return Batch(len(ripe) - len(parked), skipped, parked)
 
 
-# Spans users (the scheduler's sleep): whether a due timer is left (after a
-# pass that took every timer it could: one another scheduler holds, or one that
-# fell due since), and the seconds until the next one falls due after now. Two
-# lookups on ix_timers_due.
-NEXT_DUE = f"""
-WITH clock AS (SELECT {NOW} AS now)
-SELECT EXISTS (SELECT FROM timers t WHERE NOT t.done AND t.due <= clock.now),
-       (SELECT min(t.due) FROM timers t WHERE NOT t.done AND t.due > clock.now) - clock.now
-  FROM clock
+def fire_due_cron(conn, now: int | None, limit: int) -> Batch:
+    """One batch of due cron timers, in the caller's transaction (fire_each)."""
+    return fire_each(conn, now, conn.execute(RIPE_CRON, {"now": now, "limit": limit}).fetchall())
+
+
+# Spans users (the scheduler's sleep): whether a due timer is left at `at`
+# (after a pass that took every timer it could: one another scheduler holds, or
+# one that fell due since), and the next due time after it. Two lookups on
+# ix_timers_due, uncorrelated (so Citus runs each as a read across shards).
+NEXT_DUE = """
+SELECT EXISTS (SELECT 1 FROM timers t WHERE NOT t.done AND t.due <= %(at)s),
+       (SELECT min(t.due) FROM timers t WHERE NOT t.done AND t.due > %(at)s)
 """
 
 
 def next_due(conn, now: int | None) -> tuple[bool, int | None]:
     """(a due timer is left, seconds until the next later one: None if none)."""
-    left, seconds = conn.execute(NEXT_DUE, {"now": now}).fetchone()
-    return left, seconds
+    at = now if now is not None else conn.execute(f"SELECT {DB_CLOCK}").fetchone()[0]
+    left, later = conn.execute(NEXT_DUE, {"at": at}).fetchone()
+    return left, None if later is None else later - at
 
 
 LIST = """
