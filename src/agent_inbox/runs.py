@@ -114,12 +114,17 @@ class Runs:
         gen = validate.positive_int("gen", gen)
         now = validate.optional_epoch("now", now)
         with db.connection(self._pool) as conn:
-            return bool(lease.release(conn, holder, [(user, gen)], now))
+            return bool(self._release(conn, holder, [(user, gen)], now))
 
     def _release(self, conn, holder: str, keys: list[tuple[str, int]], now: int | None,
                  **options) -> list[str]:
-        return [user for group in self._by_bucket(keys)
-                for user in lease.release(conn, holder, group, now, **options)]
+        if not self.citus:
+            return lease.release(conn, holder, keys, now, **options) if keys else []
+        released = []
+        for group in self._by_bucket(keys):  # one node's transaction each
+            with conn.transaction():
+                released += bucketed.release(conn, holder, group, now, **options)
+        return released
 
     def release_runs(self, runs: list[Run], *, error: str | None = None,
                      at_once: bool = True, now: int | None = None) -> list[str]:
@@ -205,13 +210,17 @@ class Runs:
         claims undone (attempts included). A run whose lease is no longer held
         is left alone. The users given back."""
         now = validate.optional_epoch("now", now)
-        given = []
-        for group in self._by_bucket([(run.user, run) for run in runs]):
-            with db.transaction(self._pool) as conn:
-                conn.execute(lease.LOCK_MANY, {"users": sorted(user for user, _ in group)})
-                answers = self._send_hand_back(conn, [run for _, run in group], now)
-                given += [user for answer in answers for user, in answer.fetchall()]
-        return given
+        if self.citus:  # one node's transaction per bucket
+            given = []
+            for group in self._by_bucket([(r.user, r.holder, r.gen, r.unfinished > 0)
+                                          for r in runs]):
+                with db.transaction(self._pool) as conn:
+                    given += bucketed.hand_back(conn, group, now)
+            return given
+        with db.transaction(self._pool) as conn:
+            conn.execute(lease.LOCK_MANY, {"users": sorted(run.user for run in runs)})
+            answers = self._send_hand_back(conn, runs, now)
+            return [user for answer in answers for user, in answer.fetchall()]
 
     def hand_back_orphans(self, holder: str, known: list[Run] = (), *,
                           now: int | None = None) -> list[str]:

@@ -11,7 +11,7 @@ import pytest
 
 from agent_inbox import citus
 from agent_inbox.records import ClaimPolicy
-from agent_inbox.store import bucketed, inbox, lease
+from agent_inbox.store import bucketed, inbox, lease, outbox, timers
 
 POLICY = ClaimPolicy(max_attempts=3, backoff_base=5, backoff_cap=300, max_batch=100).params()
 ALICE = {"bucket": citus.bucket("alice"), "user": "alice", "now": None}
@@ -40,18 +40,37 @@ STATEMENTS = {
     "finish: message": (bucketed.QUEUE, {**ALICE, "body": "hi", "urgent": False}),
     "finish: delivery due": (bucketed.PACED, ALICE),
     "finish: work left": (bucketed.WORK_LEFT, ALICE),
+    "release, give back: the fence": (bucketed.EXPIRE, {**RUN}),
+    "release: the events": (bucketed.MARK_RELEASED, {**RUN, "at": 0, "at_once": True}),
+    "give back: the claims": (bucketed.UNDO_CLAIM, {**RUN, "unfinished": False}),
+    "timers: due in a bucket": (bucketed.RIPE_IN_BUCKET, {**ALICE, "limit": 10}),
+    "timers: advance": (timers.ADVANCE, {"user": "alice", "timer_id": "t", "due": 0,
+                                         "done": False}),
+    "timers: park": (timers.PARK, {"user": "alice", "timer_id": "t", "error": "x",
+                                   "now": None}),
+    "timers: upsert": (timers.UPSERT, {"user": "alice", "timer_id": "t", "base": None,
+                                       "delay": 5, "every": None, "cron": None,
+                                       "timezone": None, "missed": "coalesce",
+                                       "catch_up_limit": 100, "payload": "{}",
+                                       "event_source": None, "event_source_id": None}),
+    "approval: the request": (bucketed.REQUEST, {**ALICE, "timer_id": "expire:r"}),
+    "delivery: due in a bucket": (bucketed.LOCK_DUE_IN_BUCKET, {**ALICE, "users": 10}),
+    "delivery: claim": (outbox.CLAIM, {"users": ["alice"], "gap": 60, "send_timeout": 60,
+                                       "now": None}),
+    "delivery: lock in order": (outbox.LOCK_USERS, {"users": ["alice"]}),
+    "delivery: sent": (outbox.MARK_SENT, {"users": ["alice"], "batches": [1], "tokens": [1],
+                                          "gap": 60, "now": None}),
+    "delivery: failed": (outbox.RECORD_FAILED, {
+        "users": ["alice"], "batches": [1], "tokens": [1], "errors": ["x"],
+        "permanent": [False], "jitters": [0.7], "max_attempts": 3, "backoff_base": 5,
+        "backoff_cap": 300, "now": None}),
     "events view": (inbox.LIST, {"user": "alice", "status": None}),
 }
 
-# Statements Citus runs in steps (a modifying CTE read by an INSERT ... SELECT,
-# an INSERT ... SELECT from parameters), every step on the user's node, in one
-# transaction: their results do not depend on one snapshot (each step sees
-# the steps before it), so they are kept as they are.
+# Statements Citus runs in steps (an INSERT ... SELECT from parameters),
+# every step on the user's node, in one transaction: their results do not
+# depend on one snapshot, so they are kept as they are.
 ONE_NODE = {
-    "release": (lease.RELEASE, {"holder": "A", "users": ["alice"], "gens": [1], "now": None,
-                                "error": None, "at_once": True}),
-    "hand back": (lease.HAND_BACK, {"holder": "A", "users": ["alice"], "gens": [1],
-                                    "unfinished": [False], "now": None}),
     "ingest many": (inbox.INSERT_MANY, {"users": ["alice"], "sources": ["s"],
                                         "source_ids": ["k"], "payloads": ["{}"],
                                         "kinds": [None]}),

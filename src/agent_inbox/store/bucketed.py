@@ -31,6 +31,11 @@ Inserts are single rows (`VALUES`), each a router query. Which bucket a take
 looks at is the caller's (Inbox: the buckets with due wakes, longest waiting
 first, found by a read-only query across shards that locks nothing).
 
+* **release and give-back**: per user, in user order: the lease expired if
+  this holder still holds it in that generation (the fence), then its events
+  marked (release) or their claims undone (give-back), then a wake now
+  (store/lease.py's RELEASE and HAND_BACK, which Citus runs in steps it cannot
+  execute: an UPDATE ... RETURNING read by later steps).
 * **delivery**: a dispatcher claims due users one bucket at a time
   (DUE_DELIVERY_BUCKETS, then LOCK_DUE_IN_BUCKET; store/outbox.py's CLAIM is
   then about users of one bucket and routed as it is).
@@ -360,3 +365,70 @@ def answer(conn, user: str, request_id: str, answer: str, now: int | None) -> st
         standing = approvals.standing_answer(conn, user, request_id)
         if standing is not None:  # else an operator deleted it in between: store again
             return standing
+
+
+# --- release and give-back -------------------------------------------------------
+
+# The fence of a release or a give-back: the lease expired now if `holder`
+# still holds it in `gen`, unexpired; the clock if it did.
+EXPIRE = f"""
+WITH clock AS (SELECT {NOW} AS now)
+UPDATE leases l SET until = clock.now - 1
+  FROM clock
+ WHERE l.bucket = %(bucket)s AND l.user_id = %(user)s AND l.holder = %(holder)s
+   AND l.gen = %(gen)s AND l.until >= clock.now
+RETURNING clock.now
+"""
+
+# RELEASE's `marked`: the run's events stay running (the attempt counted),
+# claimable now unless `at_once` is false, with `error` recorded.
+MARK_RELEASED = """
+UPDATE events e
+   SET available_at = CASE WHEN %(at_once)s THEN %(at)s ELSE e.available_at END,
+       error = coalesce(%(error)s::text, e.error)
+ WHERE e.bucket = %(bucket)s AND e.user_id = %(user)s AND e.status = 'running'
+   AND e.claim_gen = %(gen)s
+"""
+
+# HAND_BACK's UNDO_CLAIMS, for one user.
+UNDO_CLAIM = """
+UPDATE events e
+   SET status = CASE WHEN %(unfinished)s AND e.attempts > 1 THEN 'running' ELSE 'pending' END,
+       attempts = e.attempts - 1,
+       available_at = CASE WHEN e.attempts = 1 THEN e.created_at ELSE e.claimed_at END
+ WHERE e.bucket = %(bucket)s AND e.user_id = %(user)s AND e.status = 'running'
+   AND e.claim_gen = %(gen)s
+"""
+
+
+def _expire(conn, user: str, holder: str, gen: int, now: int | None) -> dict | None:
+    params = {"bucket": citus.bucket(user), "user": user, "holder": holder, "gen": gen,
+              "now": now}
+    row = conn.execute(EXPIRE, params).fetchone()
+    return None if row is None else {**params, "at": row[0]}
+
+
+def release(conn, holder: str, keys: list[tuple[str, int]], now: int | None, *,
+            error: str | None = None, at_once: bool = True) -> list[str]:
+    """store/lease.py's release, in the caller's transaction; the users released."""
+    released = []
+    for user, gen in sorted(keys):
+        params = _expire(conn, user, holder, gen, now)
+        if params is not None:
+            conn.execute(MARK_RELEASED, {**params, "error": error, "at_once": at_once})
+            conn.execute(WAKE, params)
+            released.append(user)
+    return released
+
+
+def hand_back(conn, runs: list[tuple[str, str, int, bool]], now: int | None) -> list[str]:
+    """store/lease.py's HAND_BACK for (user, holder, gen, unfinished) runs, in
+    the caller's transaction; the users given back."""
+    given = []
+    for user, holder, gen, unfinished in sorted(runs):
+        params = _expire(conn, user, holder, gen, now)
+        if params is not None:
+            conn.execute(UNDO_CLAIM, {**params, "unfinished": unfinished})
+            conn.execute(WAKE, params)
+            given.append(user)
+    return given
