@@ -30,15 +30,25 @@ SELECT count(*) FROM activity c
 """
 
 
+def _lock_waiters(conn, application_name: str) -> int:
+    on_citus = conn.execute("SELECT to_regclass('citus_stat_activity') IS NOT NULL").fetchone()[0]
+    probe = WAITING_ON_LOCK_CITUS if on_citus else WAITING_ON_LOCK
+    return conn.execute(probe, {"pattern": application_name}).fetchone()[0]
+
+
+def lock_waiters(url: str, application_name: str = "%") -> int:
+    """How many sessions (named like `application_name`) wait on a lock now."""
+    with psycopg.connect(url, autocommit=True) as conn:
+        return _lock_waiters(conn, application_name)
+
+
 def wait_for_lock_waiters(url: str, count: int, *, application_name: str = "%",
                           timeout: float = 30.0) -> None:
     """Block until `count` sessions (named like `application_name`) wait on a lock."""
     deadline = time.monotonic() + timeout
     with psycopg.connect(url, autocommit=True) as conn:
-        on_citus = conn.execute("SELECT to_regclass('citus_stat_activity') IS NOT NULL").fetchone()[0]
-        probe = WAITING_ON_LOCK_CITUS if on_citus else WAITING_ON_LOCK
         while True:
-            waiting = conn.execute(probe, {"pattern": application_name}).fetchone()[0]
+            waiting = _lock_waiters(conn, application_name)
             if waiting >= count:
                 return
             if time.monotonic() > deadline:

@@ -92,13 +92,19 @@ def by_bucket(items: list, user_of) -> list[list]:
     return [groups[b] for b in sorted(groups)]
 
 
+def routes(conn: psycopg.Connection) -> bool:
+    """Whether `conn` is an Inbox connection to a Citus coordinator (it routes
+    its statements: RoutedCursor)."""
+    factory = conn.cursor_factory
+    return isinstance(factory, type) and issubclass(factory, RoutedCursor)
+
+
 def groups(conn: psycopg.Connection, items: list, user_of) -> list[list]:
-    """`items` in one group on a plain connection; on one that routes (Citus:
-    RoutedCursor), one group per bucket (by_bucket). No items, no group."""
+    """`items` in one group on a plain connection; on one that routes, one
+    group per bucket (by_bucket). No items, no group."""
     if not items:
         return []
-    routed = isinstance(conn.cursor_factory, type) and issubclass(conn.cursor_factory, RoutedCursor)
-    return by_bucket(items, user_of) if routed else [list(items)]
+    return by_bucket(items, user_of) if routes(conn) else [list(items)]
 
 
 def is_distributed(conn: psycopg.Connection) -> bool:
@@ -210,6 +216,20 @@ def route(statement: str) -> str:
     return _INSERT.sub(r"\1bucket, user_id,\2\3%(bucket)s::int, ", statement)
 
 
+@functools.lru_cache(maxsize=None)
+def colocate(statement: str) -> str:
+    """A statement about no one user (a read across shards), with every join of
+    two user-keyed tables on `user_id` also joined on `bucket`: Citus joins
+    distributed tables only on their distribution column."""
+    aliases = {alias for _, alias in _TABLE.findall(statement)
+               if alias and alias.lower() not in _KEYWORDS}
+    if len(aliases) < 2:
+        return statement
+    names = "|".join(sorted(aliases))
+    joined = re.compile(rf"\b({names})\.user_id = ({names})\.user_id\b")
+    return joined.sub(r"\1.bucket = \2.bucket AND \1.user_id = \2.user_id", statement)
+
+
 def bucket_of(params: dict) -> int | None:
     """The bucket a statement's parameters are about: `bucket`, or that of
     `user`, or that of every one of `users` (a statement about users of two
@@ -231,14 +251,17 @@ def bucket_of(params: dict) -> int | None:
 
 class RoutedCursor(psycopg.Cursor):
     """A cursor that sends a statement about one user, or users of one bucket,
-    routed to that bucket (route, bucket_of); other statements as they are,
-    and so a statement written for Citus (it names `%(bucket)s` itself)."""
+    routed to that bucket (route, bucket_of); a statement about no one user
+    with its joins co-located (colocate); a statement written for Citus (it
+    names `%(bucket)s` itself) as it is."""
 
     def execute(self, query, params=None, **kwargs):
         if isinstance(query, str) and isinstance(params, dict) and "%(bucket)s" not in query:
             routed = bucket_of(params)
             if routed is not None:
                 query, params = route(query), {**params, "bucket": routed}
+            else:
+                query = colocate(query)
         return super().execute(query, params, **kwargs)
 
 

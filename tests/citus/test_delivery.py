@@ -12,6 +12,7 @@ from tests.runtime.test_delivery import (  # noqa: F401 -- collected here, under
     test_an_operator_retry_does_not_send_a_second_batch_inside_the_gap,
     test_failed_sends_back_off_then_park_and_later_messages_go_on,
     test_one_slow_send_does_not_hold_back_every_other_users_delivery,
+    test_operators_see_retry_and_discard_failed_batches,
     test_sends_run_at_once_with_no_connection_busy_or_lock_held,
     test_two_dispatchers_at_once_send_every_batch_once,
 )

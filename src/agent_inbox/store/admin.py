@@ -15,7 +15,7 @@ so a redelivery of the same (user, source, source_id) is stored and run again.
 from psycopg.rows import dict_row
 
 from agent_inbox import citus
-from agent_inbox.store import notify
+from agent_inbox.store import bucketed, notify
 from agent_inbox.store.clock import NOW
 
 # Spans users (operator view): every user with pending, running or dead events,
@@ -190,15 +190,15 @@ WAKE_WORKERS = f"SELECT pg_notify('{notify.WORK}', '')"
 def requeue(conn, pairs: list[tuple[str, int]], now: int | None, actor: str) -> list[dict]:
     """Requeue the dead events among (user, id) pairs, record it, and wake the
     workers; the rows requeued, with the attempts and error they had."""
-    rows = []
-    for group in citus.groups(conn, pairs, lambda pair: pair[0]):
-        users, ids = _columns(group)
-        with conn.cursor(row_factory=dict_row) as cur:
-            rows += cur.execute(REQUEUE, {"users": users, "ids": ids, "now": now,
-                                          "actor": actor}).fetchall()
+    if citus.routes(conn):
+        return bucketed.repair_dead(conn, pairs, requeue=True, actor=actor, now=now)
+    users, ids = _columns(pairs)
+    with conn.cursor(row_factory=dict_row) as cur:
+        rows = cur.execute(REQUEUE, {"users": users, "ids": ids, "now": now,
+                                     "actor": actor}).fetchall()
     if rows:
         conn.execute(WAKE_WORKERS)
-    return sorted(rows, key=_by_key)
+    return rows
 
 
 # Repair (the named users' rows, by primary key): delete dead events, and with
@@ -228,16 +228,11 @@ SELECT user_id AS "user", id, source, source_id, attempts, error
 def discard(conn, pairs: list[tuple[str, int]], actor: str) -> list[dict]:
     """Delete the dead events among (user, id) pairs, recording each (with its
     payload); the rows deleted."""
-    rows = []
-    for group in citus.groups(conn, pairs, lambda pair: pair[0]):
-        users, ids = _columns(group)
-        with conn.cursor(row_factory=dict_row) as cur:
-            rows += cur.execute(DISCARD, {"users": users, "ids": ids, "actor": actor}).fetchall()
-    return sorted(rows, key=_by_key)
-
-
-def _by_key(row: dict) -> tuple[str, int]:
-    return row["user"], row["id"]
+    if citus.routes(conn):
+        return bucketed.repair_dead(conn, pairs, requeue=False, actor=actor, now=None)
+    users, ids = _columns(pairs)
+    with conn.cursor(row_factory=dict_row) as cur:
+        return cur.execute(DISCARD, {"users": users, "ids": ids, "actor": actor}).fetchall()
 
 
 # Operator view: the recorded repairs, newest first (one user's, or all users').

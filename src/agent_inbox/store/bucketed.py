@@ -36,6 +36,9 @@ first, found by a read-only query across shards that locks nothing).
   marked (release) or their claims undone (give-back), then a wake now
   (store/lease.py's RELEASE and HAND_BACK, which Citus runs in steps it cannot
   execute: an UPDATE ... RETURNING read by later steps).
+* **dead events' repairs** (requeue, discard): per user, the dead rows
+  locked, changed, recorded, one statement each (store/admin.py's REQUEUE and
+  DISCARD are steps Citus cannot execute, as RELEASE's).
 * **delivery**: a dispatcher claims due users one bucket at a time
   (DUE_DELIVERY_BUCKETS, then LOCK_DUE_IN_BUCKET; store/outbox.py's CLAIM is
   then about users of one bucket and routed as it is).
@@ -432,3 +435,74 @@ def hand_back(conn, runs: list[tuple[str, str, int, bool]], now: int | None) -> 
             conn.execute(WAKE, params)
             given.append(user)
     return given
+
+
+# --- dead events' repairs --------------------------------------------------------
+
+# The named rows of one user that are dead, locked in id order (a row that
+# stopped being dead before the lock was granted drops out on the re-check).
+DEAD_ROWS = """
+SELECT e.id, e.source, e.source_id, e.attempts, e.error, e.payload FROM events e
+ WHERE e.bucket = %(bucket)s AND e.user_id = %(user)s AND e.id = ANY(%(ids)s::bigint[])
+   AND e.status = 'dead'
+ ORDER BY e.id
+   FOR UPDATE
+"""
+
+REQUEUE_ROWS = f"""
+WITH clock AS (SELECT {NOW} AS now)
+UPDATE events e SET status = 'pending', attempts = 0, error = NULL, available_at = clock.now
+  FROM clock
+ WHERE e.bucket = %(bucket)s AND e.user_id = %(user)s AND e.id = ANY(%(ids)s::bigint[])
+RETURNING clock.now
+"""
+
+DISCARD_ROWS = """
+DELETE FROM events e
+ WHERE e.bucket = %(bucket)s AND e.user_id = %(user)s AND e.id = ANY(%(ids)s::bigint[])
+"""
+
+RECORD_REPAIR = f"""
+INSERT INTO operator_actions (bucket, user_id, at, actor, action, event_id, detail)
+VALUES (%(bucket)s, %(user)s, coalesce(%(at)s::bigint, {DB_CLOCK}), %(actor)s, %(action)s,
+        %(event_id)s, %(detail)s::jsonb)
+"""
+
+
+def repair_dead(conn, pairs: list[tuple[str, int]], *, requeue: bool, actor: str,
+                now: int | None) -> list[dict]:
+    """store/admin.py's requeue (or discard) of the dead events among (user, id)
+    pairs, in the caller's transaction, with the same records and answers."""
+    ids_of: dict[str, list[int]] = {}
+    for user, event_id in pairs:
+        ids_of.setdefault(user, []).append(event_id)
+    done = []
+    for user in sorted(ids_of):
+        params = {"bucket": citus.bucket(user), "user": user, "ids": ids_of[user]}
+        dead = conn.execute(DEAD_ROWS, params).fetchall()
+        if not dead:
+            continue
+        params["ids"] = [row[0] for row in dead]
+        at = None
+        if requeue:
+            at = conn.execute(REQUEUE_ROWS, {**params, "now": now}).fetchone()[0]
+            conn.execute(WAKE, {**params, "at": at})
+        else:
+            conn.execute(DISCARD_ROWS, params)
+        for event_id, source, source_id, attempts, error, payload in dead:
+            row = {"user": user, "id": event_id, "source": source, "source_id": source_id}
+            if requeue:
+                row.update(previous_attempts=attempts, previous_error=error)
+                detail = {k: row[k] for k in ("source", "source_id", "previous_attempts",
+                                              "previous_error")}
+            else:
+                row.update(attempts=attempts, error=error)
+                detail = {k: row[k] for k in ("source", "source_id", "attempts", "error")}
+                detail["payload"] = payload
+            conn.execute(RECORD_REPAIR, {**params, "at": at, "actor": actor,
+                                         "action": "requeue" if requeue else "discard",
+                                         "event_id": event_id, "detail": json.dumps(detail)})
+            done.append(row)
+    if done and requeue:
+        conn.execute(f"SELECT pg_notify('{notify.WORK}', '')")
+    return done
