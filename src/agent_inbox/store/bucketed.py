@@ -1,24 +1,26 @@
-"""The run path on a Citus cluster: taking work one bucket at a time, and a
-run's finish as a sequence of single-node statements.
+"""The Citus code path: every statement here is one router query (one shard,
+one node, planned and run there in one piece, with one snapshot), and every
+transaction it makes is on one node.
 
-On Citus a statement is one router query (one shard, one node, planned and
-run there in one piece, with one snapshot) only if every distributed table it
-touches is filtered by one bucket and it holds no INSERT ... SELECT, which
-Citus runs in steps through the coordinator, each step with a snapshot of its
-own. TAKE_WORK and FINISH (store/inbox.py) rely on one snapshot for the wake
-invariant, so on Citus they are not sent as they are; the same rules are kept
-here in statements that are each one router query, in an order that keeps the
-invariant under READ COMMITTED (each statement sees at least what the one
-before it saw):
+Citus runs a statement in one piece only if every distributed table it
+touches is filtered by one bucket and it holds no INSERT ... SELECT (run in
+steps through the coordinator, each step with a snapshot of its own) and no
+UPDATE ... RETURNING read by later steps (which Citus 13.2 plans but fails to
+execute). Where a plain statement is of that kind, the same rules are kept
+here in separate statements, in an order that keeps the invariant under READ
+COMMITTED (each statement sees at least what the one before it saw). Inserts
+are single rows (`VALUES`). Which bucket a scan looks at is the caller's (the
+buckets with due work, longest waiting first, found by a read across shards
+that locks nothing).
 
-* **take** (one bucket, one transaction): PICK locks, in wake order, the free
-  leases of users with claimable work (SKIP LOCKED, as TAKE_WORK's pick);
-  STALE locks the leases of the users whose due wakes PICK read past and cannot
+* **take** (one bucket, one transaction; TAKE_WORK): PICK locks, in wake
+  order, the free leases of users with claimable work (SKIP LOCKED); STALE
+  locks the leases of the users whose due wakes PICK read past and cannot
   take, and says when each is next due; TOOK takes the picked leases and
   deletes exactly the wakes PICK and STALE read (by id: a wake inserted since,
   by an ingest or a release, is not theirs to delete); the next wakes are
   inserted; each taken user's events are claimed (CLAIM_TALLY).
-* **finish** (one run, one transaction, its lease row locked first):
+* **finish** (one run, one transaction, its lease row locked first; FINISH):
   FENCE checks the run's fence and, if it holds, closes its events, releases
   the lease and deletes the user's wakes, in one snapshot; then its messages,
   the delivery due time and its timers; then, in a later snapshot, the wake
@@ -26,26 +28,18 @@ before it saw):
   two keeps its own wake (FENCE's snapshot did not show it) and one that
   committed before is seen by the later check, so no work is left without a
   wake.
-
-Inserts are single rows (`VALUES`), each a router query. Which bucket a take
-looks at is the caller's (Inbox: the buckets with due wakes, longest waiting
-first, found by a read-only query across shards that locks nothing).
-
-* **release and give-back**: per user, in user order: the lease expired if
-  this holder still holds it in that generation (the fence), then its events
-  marked (release) or their claims undone (give-back), then a wake now
-  (store/lease.py's RELEASE and HAND_BACK, which Citus runs in steps it cannot
-  execute: an UPDATE ... RETURNING read by later steps).
-* **dead events' repairs** (requeue, discard): per user, the dead rows
-  locked, changed, recorded, one statement each (store/admin.py's REQUEUE and
-  DISCARD are steps Citus cannot execute, as RELEASE's).
+* **release and give-back** (RELEASE, HAND_BACK): per user, in user order:
+  the lease expired if this holder still holds it in that generation (the
+  fence), then its events marked (release) or their claims undone
+  (give-back), then a wake now.
+* **dead events' repairs** (store/admin.py's REQUEUE, DISCARD): per user, the
+  dead rows locked, changed, recorded.
 * **delivery**: a dispatcher claims due users one bucket at a time
-  (DUE_DELIVERY_BUCKETS, then LOCK_DUE_IN_BUCKET; store/outbox.py's CLAIM is
-  then about users of one bucket and routed as it is).
-* **timers**: a scheduler takes one bucket's due timers at a time (locked,
-  SKIP LOCKED) and fires them one by one (store/timers.py's fire_each: Citus
-  cannot run FIRE_DUE, an INSERT ... SELECT from its own CTEs, as one
-  statement), then does the trigger's work for their users.
+  (LOCK_DUE_IN_BUCKET; store/outbox.py's CLAIM is then about users of one
+  bucket and routed as it is).
+* **timers** (FIRE_DUE): a scheduler takes one bucket's due timers at a time
+  (locked, SKIP LOCKED) and fires them one by one (store/timers.py's
+  fire_each), then does the trigger's work for their users.
 * **approvals**: the answer reads the request and its deadline, then inserts
   under the request's key: whichever of the answer and the expiry is inserted
   first still stands, by the key.
