@@ -9,13 +9,12 @@ pooler="transaction" a statement prepared on one server connection is executed
 on another (`prepared statement "_pg3_0" does not exist`) and the fleet fails.
 """
 
-import signal
 import subprocess
 import sys
 
 import psycopg
 
-from tests.runtime.support import ROOT, wait_until, worker_args
+from tests.runtime.support import ROOT, stop_all, wait_until, worker_args
 
 USERS, EVENTS, WORKERS, MAX_BATCH = 60, 50, 6, 5
 POOL_SIZE = 4
@@ -46,14 +45,7 @@ def test_a_worker_fleet_through_pgbouncer_drains_every_event_exactly_once(
     try:
         wait_until(lambda: done() == USERS * EVENTS, "every event to be done", timeout=120)
     finally:
-        for worker in workers:
-            worker.send_signal(signal.SIGTERM)
-        for worker in workers:
-            try:
-                worker.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                worker.kill()
-                worker.wait(timeout=10)
+        stop_all(workers)
     logs = [path.read_text() for path in paths]
     assert [w.returncode for w in workers] == [0] * WORKERS, logs
     with psycopg.connect(database_url, autocommit=True) as conn:

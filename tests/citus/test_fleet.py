@@ -13,7 +13,7 @@ import sys
 
 import psycopg
 
-from tests.runtime.support import ROOT, wait_until, worker_args
+from tests.runtime.support import ROOT, stop_all, wait_until, worker_args
 
 USERS, EVENTS, WORKERS, MAX_BATCH = 200, 20, 4, 5
 KILL_AT = (1000, 2500)  # events done when a worker is killed
@@ -45,14 +45,7 @@ def test_a_worker_fleet_drains_every_event_exactly_once_through_sigkills(databas
             workers.append(start_worker(database_url))
         wait_until(lambda: done() == USERS * EVENTS, "every event to be done", timeout=180)
     finally:
-        for worker in workers:
-            worker.send_signal(signal.SIGTERM)
-        for worker in workers:
-            try:
-                worker.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.killpg(worker.pid, signal.SIGKILL)
-                worker.wait(timeout=30)
+        stop_all(workers, kill=lambda worker: os.killpg(worker.pid, signal.SIGKILL))
     assert [w.returncode for w in workers] == [0] * WORKERS
     with psycopg.connect(database_url, autocommit=True) as conn:
         statuses = conn.execute("SELECT status, count(*) FROM events GROUP BY 1").fetchall()

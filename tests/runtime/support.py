@@ -1,6 +1,8 @@
 """Helpers for tests that run the services as processes."""
 
 import os
+import signal
+import subprocess
 import time
 
 import psycopg
@@ -36,3 +38,16 @@ def read_until(process, text):
 def worker_args(url, handler, *extra):
     return ["worker", "--database-url", url, "--handler", f"{H}:{handler}", "--log-level", "info",
             *extra]
+
+
+def stop_all(processes, *, kill=lambda process: process.kill()):
+    """SIGTERM every process, wait for each to exit (60 s), `kill` one that
+    does not; the exit codes then say how each stopped."""
+    for process in processes:
+        process.send_signal(signal.SIGTERM)
+    for process in processes:
+        try:
+            process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            kill(process)
+            process.wait(timeout=30)
