@@ -268,8 +268,9 @@ def wait_drained(url: str, system: str, workers: Workers | None, timeout: float,
 PAGE = os.sysconf("SC_PAGE_SIZE")
 
 
-def _proc_table() -> dict[int, tuple[int, int, int]]:
-    """pid -> (ppid, rss bytes, threads) of every process, from /proc/<pid>/stat."""
+def _stat_fields() -> dict[int, list[bytes]]:
+    """pid -> the fields of /proc/<pid>/stat from field 3 (state) on, of every
+    process: field n is at index n - 3."""
     out = {}
     for name in os.listdir("/proc"):
         if not name.isdigit():
@@ -280,10 +281,14 @@ def _proc_table() -> dict[int, tuple[int, int, int]]:
         except OSError:            # gone meanwhile
             continue
         # comm (field 2) may hold spaces and parentheses: split after its last ')'
-        fields = raw[raw.rindex(b")") + 2:].split()
-        # fields[0] is state (field 3): ppid is field 4, num_threads 20, rss (pages) 24
-        out[int(name)] = (int(fields[1]), int(fields[21]) * PAGE, int(fields[17]))
+        out[int(name)] = raw[raw.rindex(b")") + 2:].split()
     return out
+
+
+def _proc_table() -> dict[int, tuple[int, int, int]]:
+    """pid -> (ppid, rss bytes, threads) of every process, from /proc/<pid>/stat."""
+    # ppid is field 4, num_threads 20, rss (pages) 24
+    return {pid: (int(f[1]), int(f[21]) * PAGE, int(f[17])) for pid, f in _stat_fields().items()}
 
 
 def process_tree(root: int, table: dict | None = None) -> dict[int, tuple[int, int, int]]:
@@ -299,6 +304,22 @@ def process_tree(root: int, table: dict | None = None) -> dict[int, tuple[int, i
             tree[pid] = table[pid]
             todo.extend(children.get(pid, ()))
     return tree
+
+
+TICK = os.sysconf("SC_CLK_TCK")
+
+
+def server_cpu_seconds(postmaster: int) -> float:
+    """CPU seconds a PostgreSQL server has used so far: the postmaster's own, its
+    reaped children's (cutime, cstime) and its live children's. A backend's time
+    is counted once, live or, after it exits, reaped (the postmaster waits for
+    every child), so the difference of two readings is what the server used
+    between them, connections that came and went included."""
+    table = _stat_fields()
+    # utime is field 14, stime 15, cutime 16, cstime 17
+    ticks = sum(int(table[postmaster][n - 3]) for n in (14, 15, 16, 17))
+    ticks += sum(int(f[11]) + int(f[12]) for f in table.values() if int(f[1]) == postmaster)
+    return ticks / TICK
 
 
 CONNS_QUERY = """

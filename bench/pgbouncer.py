@@ -14,7 +14,6 @@ direct's; saves bench/results/w1_pgbouncer.json.
 """
 
 import argparse
-import contextlib
 import json
 import statistics
 import sys
@@ -30,35 +29,11 @@ OUT = RESULTS / "w1_pgbouncer.json"
 GOAL = 0.8
 
 
-@contextlib.contextmanager
-def workers_through(bouncer: PgBouncer):
-    """Inside the block, the workers workloads.drain starts connect through
-    `bouncer` (their pool) and LISTEN on the direct URL; all else stays direct.
-    (workloads.drain takes no worker URL of its own: this swaps the Workers
-    class it starts them with.)"""
-    direct_workers = workloads.Workers
-
-    class Bounced(direct_workers):
-        def start(self) -> None:
-            direct = self.url
-            self.extra_args = [*self.extra_args, "--pooler", "transaction", "--listen-url", direct]
-            self.url = bouncer.url(direct)
-            try:
-                super().start()
-            finally:
-                self.url = direct
-
-    workloads.Workers = Bounced
-    try:
-        yield
-    finally:
-        workloads.Workers = direct_workers
-
-
-def drain_w1(url: str) -> dict:
+def drain_w1(url: str, **options) -> dict:
+    """W1 as bench.run runs it; `options` go to workloads.drain (worker_url, ...)."""
     return workloads.drain("ours", url, **FULL["w1"], workers=FULL["workers"],
                            concurrency=FULL["ours_concurrency"], poll=FULL["poll_interval"],
-                           timeout=FULL["drain_timeout"])
+                           timeout=FULL["drain_timeout"], **options)
 
 
 def main(argv=None) -> int:
@@ -82,8 +57,11 @@ def main(argv=None) -> int:
             order = ("direct", "pgbouncer") if rep % 2 == 0 else ("pgbouncer", "direct")
             for path in order:
                 logins = bouncer.log().count("login attempt")
-                with workers_through(bouncer) if path == "pgbouncer" else contextlib.nullcontext():
-                    result = drain_w1(url)
+                # Through PgBouncer the workers pool through it and LISTEN on the direct URL.
+                through = ({"worker_url": bouncer.url(url),
+                            "worker_args": ["--pooler", "transaction", "--listen-url", url]}
+                           if path == "pgbouncer" else {})
+                result = drain_w1(url, **through)
                 result["pgbouncer_logins"] = bouncer.log().count("login attempt") - logins
                 runs[path].append(result)
                 print(f"rep {rep + 1} {path:9}: {result['events_per_s']:7.0f} events/s "

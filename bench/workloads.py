@@ -113,8 +113,13 @@ def _preload_peer(url: str, users: int, per_user: int, task_name: str = TASK_NAM
 
 
 def drain(system: str, url: str, *, users: int, per_user: int, workers: int, concurrency: int,
-          poll: float, timeout: float) -> dict:
-    """Preload users x per_user events, start the workers, time until all are done."""
+          poll: float, timeout: float, worker_url: str | None = None, worker_args: list = (),
+          on_loaded=None) -> dict:
+    """Preload users x per_user events, start the workers, time until all are done.
+    The workers connect to `worker_url` (default `url`: e.g. a pooler's, or another
+    role's) with `worker_args` added to their command; the preload, the poll and the
+    checks use `url`. `on_loaded()`, if given, runs once the backlog is loaded and
+    analyzed, just before the workers start (e.g. to reset the server's statistics)."""
     res = resources()
     if system == "ours":
         reset_ours(url)
@@ -126,8 +131,11 @@ def drain(system: str, url: str, *, users: int, per_user: int, workers: int, con
         vacuum_analyze(url, "procrastinate_jobs")
     n = len(expected)
     assert n == users * per_user, (n, users * per_user)
-    w = Workers(system, url, workers, concurrency, poll, res.tempdir("rec"), res.tempdir("log"),
-                env=dict(OURS_ENV) if system == "ours" else {})
+    w = Workers(system, worker_url or url, workers, concurrency, poll, res.tempdir("rec"),
+                res.tempdir("log"), env=dict(OURS_ENV) if system == "ours" else {},
+                extra_args=list(worker_args))
+    if on_loaded is not None:
+        on_loaded()
     w.start()
     try:
         t_done = wait_drained(url, system, w, timeout)
@@ -167,8 +175,11 @@ def latency(system: str, url: str, *, users: int, interval: float, duration: flo
     ingest/defer call, carried in the payload; latency = handler start - t0."""
     res = resources()
     (reset_ours if system == "ours" else reset_peer)(url)
-    w = Workers(system, url, workers, concurrency, poll, res.tempdir("rec"), res.tempdir("log"),
-                env=dict(OURS_ENV) if system == "ours" else {})
+    w = Workers(system, worker_url or url, workers, concurrency, poll, res.tempdir("rec"),
+                res.tempdir("log"), env=dict(OURS_ENV) if system == "ours" else {},
+                extra_args=list(worker_args))
+    if on_loaded is not None:
+        on_loaded()
     w.start()
     try:
         w.wait_listening()
@@ -424,17 +435,27 @@ SELECT 'idle-' || g, 'bench', 'old-' || k, '{"old": true}'::jsonb, 'done', 1, 3,
 
 def w4_setup(server_url: str, users: int, busy: int, done_per_idle: int, pending: int) -> str:
     url = resources().database(server_url, f"w4_{users}")
+    w4_fill(url, users, busy, done_per_idle, pending)
+    return url
+
+
+def w4_fill(url: str, users: int, busy: int, done_per_idle: int, pending: int,
+            lay_out=None) -> None:
+    """W4's data in the empty database `url`: migrated, the idle users' leases and done
+    events in bulk SQL, then `lay_out(url)` if given (e.g. citus.distribute: the bulk
+    rows are laid out with the rest), then the busy users' events through the API."""
     migrate.upgrade(url)
     past = int(time.time()) - 86400
     idle = users - busy
     with psycopg.connect(url, autocommit=True) as conn:
         conn.execute(IDLE_SQL, {"idle": idle, "past": past})
         conn.execute(IDLE_EVENTS_SQL, {"idle": idle, "per_user": done_per_idle, "past": past})
+    if lay_out is not None:
+        lay_out(url)
     with Inbox.connect(url, pool_size=1) as inbox:
         inbox.ingest_many([(f"busy-{b}", SOURCE, f"p-{b}-{k}", {"k": k})
                            for k in range(pending) for b in range(busy)])
     vacuum_analyze(url, "events", "leases", "wakes")
-    return url
 
 
 # W4b: users that think while their messages arrive. Each holds a valid lease (taken by
