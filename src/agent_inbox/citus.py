@@ -33,15 +33,20 @@ statement and fails on one that is not a single-task router plan, so a
 statement the rules miss fails CI rather than fanning out.
 """
 
+import contextlib
 import functools
 import hashlib
+import logging
 import re
+from collections.abc import Iterator
 
 import psycopg
 
 from agent_inbox import errors
 from agent_inbox.store import notify
 from agent_inbox.store.clock import DB_CLOCK
+
+log = logging.getLogger("agent_inbox.citus")
 
 BUCKETS = 64
 """How many buckets users are spread over. Part of the layout: changing it
@@ -90,6 +95,53 @@ def by_bucket(items: list, user_of) -> list[list]:
     for item in items:
         groups.setdefault(bucket(user_of(item)), []).append(item)
     return [groups[b] for b in sorted(groups)]
+
+
+# Which buckets each worker node holds: one array per node, from the
+# coordinator's own metadata (the shard of each bucket and where it is placed).
+NODE_BUCKETS = f"""
+SELECT array_agg(b ORDER BY b)
+  FROM generate_series(0, {BUCKETS - 1}) b
+  JOIN pg_dist_placement p ON p.shardid = get_shard_id_for_distribution_column('leases', b)
+ GROUP BY p.groupid
+ ORDER BY p.groupid
+"""
+
+
+@contextlib.contextmanager
+def node_may_fail(conn: psycopg.Connection, failures: list) -> Iterator[None]:
+    """Around a piece of work on one node (a bucket's transaction or read) sent
+    through the coordinator connection `conn`: if the node does not answer,
+    or the work deadlocks, while `conn` itself is fine, the error is added to
+    `failures` and the piece is skipped (a transaction inside is rolled back),
+    so the work on other nodes goes on. A lost coordinator connection, and any
+    other error, goes up."""
+    try:
+        yield
+    except psycopg.OperationalError as exc:
+        if conn.closed or conn.broken:
+            raise
+        failures.append(exc)
+
+
+def per_node(conn: psycopg.Connection, statement: str, params: dict) -> list[tuple]:
+    """A read across shards sent once per worker node, `%(buckets)s` bound to
+    that node's buckets (the statement filters `bucket = ANY(%(buckets)s)`, so
+    Citus sends it to that node alone): the rows of every node that answered.
+    A node that cannot be reached is skipped with a warning: its users wait
+    for it while every other node's work goes on. In autocommit only (a failed
+    read would abort a transaction)."""
+    rows, failures = [], []
+    for buckets, in conn.execute(NODE_BUCKETS).fetchall():
+        with node_may_fail(conn, failures):
+            rows += conn.execute(statement, {**params, "buckets": buckets}).fetchall()
+    for exc in failures:
+        log.warning("a worker node did not answer; its buckets are skipped: %s", first_line(exc))
+    return rows
+
+
+def first_line(exc: BaseException) -> str:
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
 
 
 def routes(conn: psycopg.Connection) -> bool:

@@ -56,6 +56,20 @@ class DatabaseUnavailable(AgentInboxError):
     """The database could not be reached or stopped answering."""
 
 
+class PartlyDone(DatabaseUnavailable):
+    """On Citus, a worker node stopped answering during a call about users on
+    several nodes: the call did its work on the nodes that answered, each in
+    transactions of its own, and not the rest. `done` is what it did, as the
+    method says (`take_runs`: the runs taken; `finish_runs`: a flag per outcome,
+    None where nothing was committed; `renew_runs`: the keys renewed, with
+    `unknown`, the keys whose node did not answer)."""
+
+    def __init__(self, message: str, done, unknown=None):
+        super().__init__(message)
+        self.done = done
+        self.unknown = unknown
+
+
 class DatabaseRefused(AgentInboxError):
     """PostgreSQL refused the statement for what it holds (a value over one of
     its own limits, such as an index row too large): the same call fails the

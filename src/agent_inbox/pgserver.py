@@ -85,6 +85,10 @@ class TemporaryCluster:
     def url(self) -> str:
         return f"postgresql://postgres@127.0.0.1:{self.port}/postgres"
 
+    @property
+    def running(self) -> bool:
+        return self._started
+
     def _run(self, *args: str) -> None:
         kwargs = {"user": self.account} if self.account else {}
         done = subprocess.run([str(a) for a in args], capture_output=True, text=True, **kwargs)

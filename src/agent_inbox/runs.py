@@ -11,12 +11,15 @@ own fence: a refused run writes nothing, the others commit.
 On a Citus cluster (Inbox.citus) every transaction here is about one bucket,
 so that it runs on one node: work is taken one bucket at a time and a run is
 finished in a transaction of its own (store/bucketed.py); renewals, releases
-and give-backs are sent once per bucket.
+and give-backs are sent once per bucket. A worker node that does not answer
+holds up only its own users: work is found on the nodes that answer, and a
+take, a batch of finishes or a renewal that met a silent node raises
+PartlyDone with what it did on the others.
 """
 
 from dataclasses import dataclass
 
-from agent_inbox import db, errors, validate
+from agent_inbox import citus, db, errors, validate
 from agent_inbox.records import Event
 from agent_inbox.result import ApprovalRequest, Message, Result, TimerRequest
 from agent_inbox.store import approvals, bucketed, inbox, lease, timers
@@ -79,34 +82,55 @@ class Runs:
         users = validate.positive_int("users", users)
         now = validate.optional_epoch("now", now)
         if self.citus:
-            return self._as_runs(holder, self._take_by_bucket(holder, users, now))
+            taken, failure = self._take_by_bucket(holder, users, now)
+            if failure is not None:
+                raise errors.PartlyDone(f"a worker node did not answer a take: "
+                                        f"{citus.first_line(failure)}",
+                                        self._as_runs(holder, taken)) from failure
+            return self._as_runs(holder, taken)
         with db.connection(self._pool) as conn:
             return self._as_runs(holder, inbox.take_work(conn, holder, self.lease_ttl,
                                                          self.policy, now, users))
 
-    def _take_by_bucket(self, holder: str, users: int, now: int | None) -> list[tuple]:
-        """On Citus: the buckets with due wakes, longest waiting first (one read
-        across shards, no lock), each taken from in a transaction of its own
-        until `users` are taken."""
-        with db.connection(self._pool) as conn:
-            buckets = bucketed.due_buckets(conn, now)
+    def _take_by_bucket(self, holder: str, users: int,
+                        now: int | None) -> tuple[list[tuple], Exception | None]:
+        """On Citus: the buckets with due wakes, longest waiting first (read per
+        node, no lock), each taken from in a transaction of its own until
+        `users` are taken; what was taken, and the failure of a bucket whose
+        node did not answer (which ends the take; None if none did)."""
         taken: list[tuple] = []
-        for bucket in buckets:
-            with db.transaction(self._pool) as conn:
-                taken += bucketed.take(conn, bucket, holder, self.lease_ttl, self.policy, now,
-                                       users - len(taken))
-            if len(taken) >= users:
-                break
-        return taken
+        failures: list[Exception] = []
+        with db.connection(self._pool) as conn:
+            for bucket in bucketed.due_buckets(conn, now):
+                with citus.node_may_fail(conn, failures), conn.transaction():
+                    taken += bucketed.take(conn, bucket, holder, self.lease_ttl, self.policy,
+                                           now, users - len(taken))
+                if failures or len(taken) >= users:
+                    break
+        return taken, (failures[0] if failures else None)
 
     def renew_runs(self, runs: list[Run], *, now: int | None = None) -> set:
         """Extend by lease_ttl, in one statement, every lease of `runs` (one
-        holder's) still held; the (user, gen) keys extended (the others are lost)."""
+        holder's) still held; the (user, gen) keys extended (the others are lost).
+        On Citus one statement per bucket: if a node does not answer, PartlyDone
+        with the keys extended and, as `unknown`, those of that node."""
         holder = _holder_of(runs)
         now = validate.optional_epoch("now", now)
+        renewed, unknown, failures = set(), set(), []
         with db.connection(self._pool) as conn:
-            return {key for keys in self._by_bucket([run.key for run in runs])
-                    for key in lease.renew(conn, holder, keys, self.lease_ttl, now)}
+            if not self.citus:
+                return lease.renew(conn, holder, [run.key for run in runs], self.lease_ttl,
+                                   now) if runs else set()
+            for keys in self._by_bucket([run.key for run in runs]):
+                failed = len(failures)
+                with citus.node_may_fail(conn, failures):
+                    renewed |= lease.renew(conn, holder, keys, self.lease_ttl, now)
+                if len(failures) > failed:
+                    unknown.update(keys)
+        if failures:
+            raise errors.PartlyDone(f"a worker node did not answer a renewal: "
+                                    f"{citus.first_line(failures[0])}", renewed, unknown)
+        return renewed
 
     def release(self, user: str, holder: str, gen: int, *, now: int | None = None) -> bool:
         """Expire a held lease at once (gen kept, so it still fences this holder)."""
@@ -147,8 +171,13 @@ class Runs:
         error = validate.text("error", error)
         now = validate.optional_epoch("now", now)
         with db.connection(self._pool) as conn:
-            return self._release(conn, holder, lease.held_by(conn, holder, now), now,
+            return self._release(conn, holder, self._held_by(conn, holder, now), now,
                                  error=error, at_once=False)
+
+    def _held_by(self, conn, holder: str, now: int | None) -> list[tuple[str, int]]:
+        """The (user, gen) of the leases `holder` holds; on Citus, on the nodes
+        that answer."""
+        return bucketed.held_by(conn, holder, now) if self.citus else lease.held_by(conn, holder, now)
 
     def outcome(self, run: Run, result: Result) -> Outcome:
         """Check a handler's result for committing; InvalidInput names what is wrong."""
@@ -178,7 +207,7 @@ class Runs:
         if not outcomes:
             return []
         if self.citus:
-            return [self._finish_alone(o, release, now) for o in outcomes]
+            return self._finish_each(outcomes, release, now)
         users = sorted(o.run.user for o in outcomes)
         finishes = [o.finish for o in outcomes]
         with db.connection(self._pool) as conn:
@@ -197,13 +226,27 @@ class Runs:
                 verdicts = inbox.send_finish(conn, finishes, now, release=release)
             return inbox.read_verdicts(verdicts)
 
-    def _finish_alone(self, o: Outcome, release: bool, now: int | None) -> bool:
-        """On Citus: one run's finish in a transaction of its own (one node)."""
-        with db.transaction(self._pool) as conn:
-            accepted = bucketed.finish(conn, o.finish, now, release=release)
-            if accepted:
-                self._write_timers(conn, o, now)
-            return accepted
+    def _finish_each(self, outcomes: list[Outcome], release: bool,
+                     now: int | None) -> list[bool]:
+        """On Citus: each run's finish in a transaction of its own (one node).
+        A run whose node does not answer (or that deadlocks) commits nothing
+        and the others commit: PartlyDone, whose `done` has a flag per outcome,
+        None where nothing was committed."""
+        flags: list[bool | None] = []
+        failures: list[Exception] = []
+        with db.connection(self._pool) as conn:
+            for o in outcomes:
+                flag = None
+                with citus.node_may_fail(conn, failures), conn.transaction():
+                    flag = bucketed.finish(conn, o.finish, now, release=release)
+                    if flag:
+                        self._write_timers(conn, o, now)
+                flags.append(flag)
+        if failures:
+            raise errors.PartlyDone(f"{flags.count(None)} of {len(flags)} finishes met a worker "
+                                    f"node that did not answer: {citus.first_line(failures[0])}",
+                                    flags) from failures[0]
+        return flags
 
     def hand_back(self, runs: list[Run], *, now: int | None = None) -> list[str]:
         """Give back runs whose handlers never started: leases expired at once,
@@ -230,7 +273,7 @@ class Runs:
         now = validate.optional_epoch("now", now)
         if self.citus:  # HAND_BACK_ORPHANS locks across shards: found first, given back by bucket
             with db.connection(self._pool) as conn:
-                held = lease.held_by(conn, holder, now)
+                held = self._held_by(conn, holder, now)
             mine = {run.key for run in known}
             orphans = [Run(user, holder, gen, 0, [], unfinished=1) for user, gen in held
                        if (user, gen) not in mine]

@@ -30,6 +30,7 @@ Invariants kept here:
 """
 
 import logging
+import math
 import os
 import queue
 import secrets
@@ -59,6 +60,10 @@ WATCH_INTERVAL = 1.0
 # both trade a few milliseconds of a run's latency for far fewer statements.
 TAKE_COOLDOWN = 0.05
 COMMIT_WINDOW = 0.02
+# On Citus, a finish whose worker node did not answer is tried again after
+# about this long, by the completer, between the batches of runs that end
+# meanwhile (those do not wait for it).
+FINISH_RETRY = 1.0
 # ... unless at least this share of the worker's places is free: then at once.
 TAKE_AT_ONCE = 0.1
 # Most users one take holds: when a thousand places free at once, the first
@@ -126,6 +131,9 @@ class Worker:
         # Started runs whose ending could not be written (the database was away):
         # their leases expire on their own; never given back as orphans.
         self._unwritten: dict[tuple[str, int], tuple[Run, float]] = {}
+        # Finishes a silent Citus node refused, and when to try each again
+        # (the completer thread's own).
+        self._retries: list[tuple[float, Ending]] = []
         # Counts not yet added to this process's run_stats row (under _guard).
         self._stats = dict.fromkeys(stats.FIELDS, 0)
         self.loop = executors.EventLoop()
@@ -143,6 +151,10 @@ class Worker:
         started = time.monotonic()
         try:
             runs = self.inbox.take_runs(self.holder, users=users, now=now)
+        except errors.PartlyDone as exc:  # Citus: a node did not answer; start what was taken
+            log.warning("took %d runs; a worker node did not answer: %s", len(exc.done), exc)
+            self._unsure = True
+            runs = exc.done
         except errors.DatabaseUnavailable:
             self._unsure = True
             raise
@@ -295,7 +307,8 @@ class Worker:
         """Write what the runs in `endings` came to, then drop them from the
         table. Counts: runs (handlers that ran), events, accepted (finishes)."""
         finishes = [e for e in endings if e.kind == "finish"]
-        accepted = self._finish(finishes, now)
+        accepted, later = self._finish(finishes, now)
+        self._retries += [(time.monotonic() + jittered(FINISH_RETRY), e) for e in later]
         for error, at_once in {(e.error, e.at_once) for e in endings if e.kind == "release"}:
             self._release([e.flight for e in endings
                            if e.kind == "release" and (e.error, e.at_once) == (error, at_once)],
@@ -307,10 +320,12 @@ class Worker:
                 metrics.FINISHES.labels("lease_lost").inc()
         with self._guard:
             for ending in endings:
-                self._flights.pop(ending.flight.run.key, None)
+                if ending not in later:
+                    self._flights.pop(ending.flight.run.key, None)
             self._guard.notify_all()
         self._count(finished=sum(accepted), refused=len(accepted) - sum(accepted))
-        ran = [e.flight.run for e in endings if e.kind in ("finish", "release")]
+        ran = [e.flight.run for e in endings
+               if e.kind in ("finish", "release") and e not in later]
         return {"runs": len(ran), "events": sum(len(run.events) for run in ran),
                 "accepted": sum(accepted)}
 
@@ -332,24 +347,38 @@ class Worker:
                 for name, value in pending.items():
                     self._stats[name] += value
 
-    def _finish(self, finishes: list[Ending], now: int | None) -> list[bool]:
+    def _finish(self, finishes: list[Ending],
+                now: int | None) -> tuple[list[bool], list[Ending]]:
         """The fenced finishes in one transaction, retried through database
         faults while their leases may still be valid. If the commit fails for
         another reason (a result the database refuses), each run is committed
-        alone, a refused result as its run's error: it costs only its own run."""
+        alone, a refused result as its run's error: it costs only its own run.
+        The flags of the finishes decided, and those to try again later: on
+        Citus, the runs whose worker node did not answer while the others
+        committed (retried by the completer, so that they hold up no other run)."""
         pending = [(e.flight, self._outcome(e.flight.run, e.result)) for e in finishes]
         accepted: dict[InFlight, bool] = {}
+        later: set[InFlight] = set()
         delays = backoff_delays(cap=5.0)
         while pending:
             try:
                 flags = self.inbox.finish_runs([outcome for _, outcome in pending], now=now)
             except (errors.DatabaseUnavailable, errors.TransactionConflict) as exc:
                 log.warning("finish failed for %d runs (%s); retrying", len(pending), exc)
-                for flight, _ in pending:
+                if isinstance(exc, errors.PartlyDone):
+                    for (flight, outcome), flag in zip(pending, exc.done):
+                        if flag is not None:
+                            accepted[flight] = flag
+                            self._finished(outcome, flag)
+                    later = {flight for (flight, _), flag in zip(pending, exc.done)
+                             if flag is None}
+                    pending = []
+                for flight, _ in pending + [(f, None) for f in later]:
                     if not self._may_hold(flight):
                         log.warning("lease lost %s: expired while the database was away",
                                     flight.label)
                         metrics.FINISHES.labels("lease_lost").inc()
+                later = {f for f in later if self._may_hold(f)}
                 pending = [(f, o) for f, o in pending if self._may_hold(f)]
                 if pending:
                     time.sleep(next(delays))
@@ -364,7 +393,8 @@ class Worker:
                 accepted[flight] = flag
                 self._finished(outcome, flag)
             break
-        return [accepted.get(e.flight, False) for e in finishes]
+        return ([accepted.get(e.flight, False) for e in finishes if e.flight not in later],
+                [e for e in finishes if e.flight in later])
 
     def _finish_alone(self, flight: InFlight, outcome: Outcome, now: int | None) -> bool:
         run = flight.run
@@ -445,11 +475,13 @@ class Worker:
     def _complete_forever(self, done: threading.Event) -> None:
         """Commit endings as they come: everything that ended within
         COMMIT_WINDOW of the first one waiting, in one commit."""
-        while not (done.is_set() and self._endings.empty()):
-            try:
-                batch = [self._endings.get(timeout=0.2)]
-            except queue.Empty:
-                continue
+        while not (done.is_set() and self._endings.empty() and not self._retries):
+            batch = self._due_retries()
+            if not batch:
+                try:
+                    batch = [self._endings.get(timeout=self._retry_wait())]
+                except queue.Empty:
+                    continue
             window = time.monotonic() + COMMIT_WINDOW
             while (wait := window - time.monotonic()) > 0:
                 try:
@@ -469,6 +501,17 @@ class Worker:
                         self._flights.pop(ending.flight.run.key, None)
                     self._guard.notify_all()
 
+    def _due_retries(self) -> list[Ending]:
+        now = time.monotonic()
+        due = [ending for at, ending in self._retries if at <= now]
+        self._retries = [(at, ending) for at, ending in self._retries if at > now]
+        return due
+
+    def _retry_wait(self) -> float:
+        """How long the completer may wait for an ending: until the next retry."""
+        soonest = min((at for at, _ in self._retries), default=math.inf)
+        return max(0.0, min(0.2, soonest - time.monotonic()))
+
     # --- the keeper ------------------------------------------------------------------------
 
     def renew(self) -> None:
@@ -479,18 +522,23 @@ class Worker:
         if not flights:
             return
         asked = time.monotonic()
+        keys = {f.run.key for f in flights}
         try:
-            renewed = self.inbox.renew_runs([f.run for f in flights])
+            renewed, unknown = self.inbox.renew_runs([f.run for f in flights]), set()
+        except errors.PartlyDone as exc:  # Citus: a node did not answer for its users
+            log.warning("lease renewal failed for %d runs (%s)", len(exc.unknown), exc)
+            renewed, unknown = exc.done, exc.unknown
         except errors.DatabaseUnavailable as exc:
             log.warning("lease renewal failed (%s)", exc)
-            renewed = None
+            renewed, unknown = set(), keys
         for flight in flights:
-            if renewed is not None and flight.run.key in renewed:
+            key = flight.run.key
+            if key in renewed:
                 flight.lease_renewed = asked
-            elif flight.state != "ended" and (renewed is not None or not self._may_hold(flight)):
+            elif flight.state != "ended" and (key not in unknown or not self._may_hold(flight)):
                 if self.stop_run(flight, "lost"):
                     log.warning("lease lost %s (renewal %s)", flight.label,
-                                "refused" if renewed is not None else "failed past the TTL")
+                                "failed past the TTL" if key in unknown else "refused")
                     metrics.RENEWALS_FAILED.inc()
 
     def time_out(self) -> None:

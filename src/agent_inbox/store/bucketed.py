@@ -10,8 +10,10 @@ execute). Where a plain statement is of that kind, the same rules are kept
 here in separate statements, in an order that keeps the invariant under READ
 COMMITTED (each statement sees at least what the one before it saw). Inserts
 are single rows (`VALUES`). Which bucket a scan looks at is the caller's (the
-buckets with due work, longest waiting first, found by a read across shards
-that locks nothing).
+buckets with due work, longest waiting first, found by a read of each node's
+shards that locks nothing, citus.per_node). A worker node that does not
+answer holds up only its own users: the reads skip it, and every transaction
+here is about one bucket, on one node.
 
 * **take** (one bucket, one transaction; TAKE_WORK): PICK locks, in wake
   order, the free leases of users with claimable work (SKIP LOCKED); STALE
@@ -59,11 +61,12 @@ _CLAIMABLE = f"""EXISTS (SELECT 1 FROM events e
                   AND e.status IN ('pending', 'running')
                   AND (e.attempts = 0 OR e.available_at <= {NOW}))"""
 
-# Buckets with a due wake, the longest waiting first. Spans shards; reads only,
-# locks nothing.
+# Buckets with a due wake, and their oldest; read per node (citus.per_node).
+# Spans that node's shards; reads only, locks nothing.
 DUE_BUCKETS = f"""
-SELECT bucket FROM wakes WHERE at <= greatest({NOW}, {DB_CLOCK})
- GROUP BY bucket ORDER BY min(at), bucket
+SELECT bucket, min(at) FROM wakes
+ WHERE bucket = ANY(%(buckets)s) AND at <= greatest({NOW}, {DB_CLOCK})
+ GROUP BY bucket
 """
 
 # TAKE_WORK's pick, in one bucket: due wakes in order, each user's free lease
@@ -145,8 +148,16 @@ SELECT tally.died, tally.unfinished, claimed.*
 """
 
 
+def _due(conn, statement: str, now: int | None) -> list[int]:
+    """The buckets `statement` (bucket, its oldest due time) finds on every node
+    that answers, the longest waiting first: a node that does not answer holds
+    up its own users only."""
+    rows = citus.per_node(conn, statement, {"now": now})
+    return [b for b, _ in sorted(rows, key=lambda row: (row[1], row[0]))]
+
+
 def due_buckets(conn, now: int | None) -> list[int]:
-    return [b for b, in conn.execute(DUE_BUCKETS, {"now": now}).fetchall()]
+    return _due(conn, DUE_BUCKETS, now)
 
 
 def take(conn, bucket: int, holder: str, ttl: int, policy: ClaimPolicy, now: int | None,
@@ -280,11 +291,12 @@ def _now(conn, now: int | None) -> int:
 
 # --- delivery ------------------------------------------------------------------
 
-# Buckets with a user whose delivery is due, the longest due first. Spans
-# shards; reads only, locks nothing.
+# Buckets with a user whose delivery is due, and the oldest due time; read
+# per node. Reads only, locks nothing.
 DUE_DELIVERY_BUCKETS = f"""
-SELECT bucket FROM deliveries WHERE due_at <= {NOW}
- GROUP BY bucket ORDER BY min(due_at), bucket
+SELECT bucket, min(due_at) FROM deliveries
+ WHERE bucket = ANY(%(buckets)s) AND due_at <= {NOW}
+ GROUP BY bucket
 """
 
 # store/outbox.py's LOCK_DUE in one bucket.
@@ -298,7 +310,7 @@ SELECT user_id FROM deliveries
 
 
 def due_delivery_buckets(conn, now: int | None) -> list[int]:
-    return [b for b, in conn.execute(DUE_DELIVERY_BUCKETS, {"now": now}).fetchall()]
+    return _due(conn, DUE_DELIVERY_BUCKETS, now)
 
 
 def lock_due_deliveries(conn, bucket: int, limit: int, now: int | None) -> list[str]:
@@ -308,10 +320,11 @@ def lock_due_deliveries(conn, bucket: int, limit: int, now: int | None) -> list[
 
 # --- timers --------------------------------------------------------------------
 
-# Buckets with a due timer, the longest due first. Spans shards; reads only.
+# Buckets with a due timer, and the oldest due time; read per node. Reads only.
 DUE_TIMER_BUCKETS = f"""
-SELECT bucket FROM timers WHERE NOT done AND due <= {NOW}
- GROUP BY bucket ORDER BY min(due), bucket
+SELECT bucket, min(due) FROM timers
+ WHERE bucket = ANY(%(buckets)s) AND NOT done AND due <= {NOW}
+ GROUP BY bucket
 """
 
 # One bucket's due timers, oldest first, locked, skipping those another
@@ -327,7 +340,7 @@ SELECT {timers.RIPE_COLUMNS}
 
 
 def due_timer_buckets(conn, now: int | None) -> list[int]:
-    return [b for b, in conn.execute(DUE_TIMER_BUCKETS, {"now": now}).fetchall()]
+    return _due(conn, DUE_TIMER_BUCKETS, now)
 
 
 def fire_timers(conn, bucket: int, now: int | None, limit: int) -> timers.Batch:
@@ -365,6 +378,18 @@ def answer(conn, user: str, request_id: str, answer: str, now: int | None) -> st
 
 
 # --- release and give-back -------------------------------------------------------
+
+# store/lease.py's HELD_BY, read per node.
+HELD_BY = f"""
+SELECT l.user_id, l.gen FROM leases l
+ WHERE l.bucket = ANY(%(buckets)s) AND l.holder = %(holder)s AND l.until >= {NOW}
+"""
+
+
+def held_by(conn, holder: str, now: int | None) -> list[tuple[str, int]]:
+    """The (user, gen) of the leases `holder` holds, on every node that answers."""
+    return [tuple(row) for row in citus.per_node(conn, HELD_BY, {"holder": holder, "now": now})]
+
 
 # The fence of a release or a give-back: the lease expired now if `holder`
 # still holds it in `gen`, unexpired; the clock if it did.

@@ -1,0 +1,149 @@
+"""A worker node that is down holds up only its own users.
+
+On a Citus cluster of its own (a node is stopped here: never the session's
+cluster), with the second worker node stopped: a take finds and takes the
+first node's users (the due-bucket read goes node by node and skips one that
+does not answer); a batch of finishes commits the first node's runs and says
+which it could not (PartlyDone); a renewal says which leases it could not
+reach; and a worker process keeps serving the first node's users, new work
+included, while runs of the stopped node wait for it, then commit under
+their own leases once it is back: no event claimed twice.
+"""
+
+import os
+import signal
+import subprocess
+import sys
+
+import psycopg
+import pytest
+
+from agent_inbox import Inbox, Result, citus, errors, migrate, pgserver
+from tests.runtime.support import ROOT, stop_all, wait_until, worker_args
+
+NODE_BUCKETS = f"""
+SELECT n.nodeport, array_agg(b ORDER BY b)
+  FROM generate_series(0, {citus.BUCKETS - 1}) b
+  JOIN pg_dist_placement p ON p.shardid = get_shard_id_for_distribution_column('leases', b)
+  JOIN pg_dist_node n ON n.groupid = p.groupid
+ GROUP BY n.nodeport
+"""
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    if not pgserver.citus_installed():
+        pytest.skip("the Citus extension is not installed for the local PostgreSQL "
+                    "(.ci/run installs it from ../shared/citus/)")
+    with pgserver.CitusCluster(workers=2) as started:
+        yield started
+
+
+@pytest.fixture
+def url(cluster):
+    made = cluster.create_database()
+    migrate.upgrade(made)
+    citus.distribute(made)
+    yield made
+    for node in cluster.workers:  # a test that failed half-way may leave one stopped
+        if not node.running:
+            node.start()
+    cluster.drop_database(made)
+
+
+def users_by_node(url, cluster, count):
+    """`count` user names on the first worker node, and `count` on the second."""
+    with psycopg.connect(url, autocommit=True) as conn:
+        buckets = dict(conn.execute(NODE_BUCKETS).fetchall())
+    first, second = (set(buckets[node.port]) for node in cluster.workers)
+    names = (f"user-{n}" for n in range(10_000))
+    live, down = [], []
+    for name in names:
+        group = live if citus.bucket(name) in first else down
+        if len(group) < count:
+            group.append(name)
+        if len(live) == len(down) == count:
+            return live, down, sorted(first)
+
+
+def done_in(url, buckets):
+    """Done events in `buckets` (a read the stopped node need not answer)."""
+    with psycopg.connect(url, autocommit=True) as conn:
+        return conn.execute("SELECT count(*) FROM events WHERE bucket = ANY(%s)"
+                            " AND status = 'done'", (buckets,)).fetchone()[0]
+
+
+def test_the_api_serves_the_nodes_that_answer_and_says_what_it_could_not(url, cluster):
+    live, down, _ = users_by_node(url, cluster, 3)
+    late = live.pop()                                        # its work arrives while a node is down
+    with Inbox.connect(url, lease_ttl=60) as inbox:
+        inbox.ingest_many([(user, "chat", "1", {}) for user in live + down])
+        runs = inbox.take_runs("holder", users=10)
+        assert sorted(run.user for run in runs) == sorted(live + down)
+        cluster.workers[1].stop(remove=False)
+        inbox.ingest(late, "chat", "1", {})                  # one node's transaction
+        [late_run] = inbox.take_runs("holder", users=10)     # the down node's buckets skipped
+        assert late_run.user == late
+        runs.append(late_run)
+        on_down = [run for run in runs if run.user in down]
+        with pytest.raises(errors.PartlyDone) as renewal:
+            inbox.renew_runs(runs)
+        assert renewal.value.unknown == {run.key for run in on_down}
+        assert renewal.value.done == {run.key for run in runs if run.user not in down}
+        with pytest.raises(errors.PartlyDone) as finish:
+            inbox.finish_runs([inbox.outcome(run, Result()) for run in runs])
+        assert finish.value.done == [None if run.user in down else True for run in runs]
+        cluster.workers[1].start()
+        assert inbox.finish_runs([inbox.outcome(run, Result()) for run in on_down]) \
+            == [True] * len(on_down)                         # under the leases they had
+        assert inbox.take_runs("holder", users=10) == []     # none left behind, none twice
+    with psycopg.connect(url, autocommit=True) as conn:
+        assert conn.execute("SELECT status, attempts, count(*) FROM events GROUP BY 1, 2"
+                            ).fetchall() == [("done", 1, 6)]
+
+
+def start_worker(url, log_path):
+    args = worker_args(url, "hold_until_released", "--concurrency", "10", "--poll-interval", "0.2",
+                       "--lease-ttl", "30")
+    with open(log_path, "w") as log:
+        return subprocess.Popen([sys.executable, "-m", "agent_inbox.cli", *args], cwd=ROOT,
+                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def test_a_worker_serves_the_live_node_while_the_other_is_down(url, cluster, tmp_path):
+    live, down, live_buckets = users_by_node(url, cluster, 4)
+    release = {user: str(tmp_path / f"{user}-1") for user in live + down}
+    with Inbox.connect(url) as inbox:
+        inbox.ingest_many([(user, "chat", "1", {"release_file": release[user]})
+                           for user in live + down])
+    worker = start_worker(url, tmp_path / "worker.log")
+    try:
+        wait_until(lambda: all(os.path.exists(path + ".started") for path in release.values()),
+                   "every run in flight", timeout=60)
+        cluster.workers[1].stop(remove=False)
+        for path in release.values():
+            open(path, "w").close()
+        wait_until(lambda: done_in(url, live_buckets) == len(live),
+                   "the live node's runs to commit", timeout=60)
+        # New work for the live node's users is taken while the other is down.
+        with Inbox.connect(url) as inbox:
+            for user in live:
+                again = str(tmp_path / f"{user}-2")
+                open(again, "w").close()
+                inbox.ingest(user, "chat", "2", {"release_file": again})
+        wait_until(lambda: done_in(url, live_buckets) == 2 * len(live),
+                   "the live node's new work to be done", timeout=60)
+        cluster.workers[1].start()
+        wait_until(lambda: done_in(url, list(range(citus.BUCKETS))) == 2 * len(live) + len(down),
+                   "the stopped node's runs to commit once it is back", timeout=60)
+    finally:
+        stop_all([worker], kill=lambda process: os.killpg(process.pid, signal.SIGKILL))
+    log = (tmp_path / "worker.log").read_text()
+    assert worker.returncode == 0, log[-3000:]
+    assert "did not answer" in log
+    with psycopg.connect(url, autocommit=True) as conn:
+        events = conn.execute("SELECT status, attempts, count(*) FROM events GROUP BY 1, 2"
+                              ).fetchall()
+        messages = conn.execute("SELECT body, count(*) FROM outbox GROUP BY 1").fetchall()
+    assert events == [("done", 1, 2 * len(live) + len(down))]      # none claimed twice
+    assert messages == [("released", 2 * len(live) + len(down))]   # one per run
