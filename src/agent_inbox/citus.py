@@ -37,7 +37,9 @@ import contextlib
 import functools
 import hashlib
 import logging
+import math
 import re
+import time
 from collections.abc import Iterator
 
 import psycopg
@@ -98,14 +100,37 @@ def by_bucket(items: list, user_of) -> list[list]:
 
 
 # Which buckets each worker node holds: one array per node, from the
-# coordinator's own metadata (the shard of each bucket and where it is placed).
+# coordinator's own metadata (the shard whose hash range holds each bucket's
+# hash, and where that shard is placed).
 NODE_BUCKETS = f"""
 SELECT array_agg(b ORDER BY b)
   FROM generate_series(0, {BUCKETS - 1}) b
-  JOIN pg_dist_placement p ON p.shardid = get_shard_id_for_distribution_column('leases', b)
+  JOIN pg_dist_shard s ON s.logicalrelid = 'leases'::regclass
+   AND worker_hash(b) BETWEEN s.shardminvalue::int AND s.shardmaxvalue::int
+  JOIN pg_dist_placement p ON p.shardid = s.shardid
  GROUP BY p.groupid
  ORDER BY p.groupid
 """
+
+NODE_MAP_TTL = 10.0
+"""Seconds a NodeMap keeps what it read."""
+
+
+class NodeMap:
+    """Which buckets each worker node holds (NODE_BUCKETS), read again at most
+    every NODE_MAP_TTL seconds. Shards move only when an operator moves them;
+    until the next read a moved bucket is read with its old node's group, which
+    changes no answer, only which node's silence holds it up."""
+
+    def __init__(self):
+        self._groups: list[list[int]] = []
+        self._read_at = -math.inf
+
+    def groups(self, conn: psycopg.Connection) -> list[list[int]]:
+        if time.monotonic() - self._read_at > NODE_MAP_TTL:
+            self._groups = [buckets for buckets, in conn.execute(NODE_BUCKETS).fetchall()]
+            self._read_at = time.monotonic()
+        return self._groups
 
 
 @contextlib.contextmanager
@@ -124,7 +149,8 @@ def node_may_fail(conn: psycopg.Connection, failures: list) -> Iterator[None]:
         failures.append(exc)
 
 
-def per_node(conn: psycopg.Connection, statement: str, params: dict) -> list[tuple]:
+def per_node(conn: psycopg.Connection, nodes: NodeMap, statement: str,
+             params: dict) -> list[tuple]:
     """A read across shards sent once per worker node, `%(buckets)s` bound to
     that node's buckets (the statement filters `bucket = ANY(%(buckets)s)`, so
     Citus sends it to that node alone): the rows of every node that answered.
@@ -132,7 +158,7 @@ def per_node(conn: psycopg.Connection, statement: str, params: dict) -> list[tup
     for it while every other node's work goes on. In autocommit only (a failed
     read would abort a transaction)."""
     rows, failures = [], []
-    for buckets, in conn.execute(NODE_BUCKETS).fetchall():
+    for buckets in nodes.groups(conn):
         with node_may_fail(conn, failures):
             rows += conn.execute(statement, {**params, "buckets": buckets}).fetchall()
     for exc in failures:

@@ -28,8 +28,8 @@ def describe(exc: BaseException) -> str:
 
 class Delivery:
     """Mixed into `agent_inbox.Inbox` (which owns `_pool`, `outbox_gap`, `send_policy`,
-    `citus`, `_by_bucket`). On Citus a dispatcher's claims and outcomes are one transaction
-    per bucket (store/bucketed.py), each on one node."""
+    `citus`, `_by_bucket`, `_nodes`). On Citus a dispatcher's claims and outcomes are one
+    transaction per bucket (store/bucketed.py), each on one node."""
     def dispatch(self, user: str, send: Callable[[str], Any], *, now: int | None = None) -> int:
         """Send the user's held messages as one text, at most once per outbox_gap
         (an urgent message goes at once); the number of messages sent. `send(text)`
@@ -85,7 +85,7 @@ class Delivery:
         """On Citus: the buckets with due users, longest due first (one read
         across shards, no lock), each claimed from in a transaction of its own."""
         with db.connection(self._pool) as conn:
-            buckets = bucketed.due_delivery_buckets(conn, now)
+            buckets = bucketed.due_delivery_buckets(conn, self._nodes, now)
         looked, batches = 0, []
         for bucket in buckets:
             with db.transaction(self._pool) as conn:

@@ -54,6 +54,7 @@ class Inbox(Runs, Scheduling, Delivery):
         # On a Citus coordinator (citus.py) statements are routed by bucket and
         # the code that inserts events does the events_inserted trigger's work.
         self.citus = bool(getattr(pool, "citus", False))
+        self._nodes = citus.NodeMap()  # on Citus, which buckets each worker node holds
 
     @classmethod
     def connect(cls, url: str, *, pool_size: int = 4, application_name: str = "agent-inbox",

@@ -65,7 +65,7 @@ class Outcome:
 
 class Runs:
     """Mixed into `agent_inbox.Inbox` (which owns `_pool`, `policy`, `lease_ttl`,
-    `citus`, `_by_bucket`)."""
+    `citus`, `_by_bucket`, `_nodes`)."""
 
     def take_work(self, holder: str, *, now: int | None = None) -> Run | None:
         """Find the user whose oldest claimable event has waited longest among
@@ -101,7 +101,7 @@ class Runs:
         taken: list[tuple] = []
         failures: list[Exception] = []
         with db.connection(self._pool) as conn:
-            for bucket in bucketed.due_buckets(conn, now):
+            for bucket in bucketed.due_buckets(conn, self._nodes, now):
                 with citus.node_may_fail(conn, failures), conn.transaction():
                     taken += bucketed.take(conn, bucket, holder, self.lease_ttl, self.policy,
                                            now, users - len(taken))
@@ -177,7 +177,9 @@ class Runs:
     def _held_by(self, conn, holder: str, now: int | None) -> list[tuple[str, int]]:
         """The (user, gen) of the leases `holder` holds; on Citus, on the nodes
         that answer."""
-        return bucketed.held_by(conn, holder, now) if self.citus else lease.held_by(conn, holder, now)
+        if self.citus:
+            return bucketed.held_by(conn, self._nodes, holder, now)
+        return lease.held_by(conn, holder, now)
 
     def outcome(self, run: Run, result: Result) -> Outcome:
         """Check a handler's result for committing; InvalidInput names what is wrong."""

@@ -21,7 +21,8 @@ SCHEDULER_BATCH = 500
 
 
 class Scheduling:
-    """Mixed into `agent_inbox.Inbox` (which owns `_pool`, `max_payload_bytes`, `citus`)."""
+    """Mixed into `agent_inbox.Inbox` (which owns `_pool`, `max_payload_bytes`, `citus`,
+    `_nodes`)."""
 
     def add_timer(self, user: str, timer_id: str, due: int, payload: Mapping[str, Any], *,
                   every: int | None = None, key: tuple[str, str] | None = None,
@@ -94,7 +95,7 @@ class Scheduling:
         with db.connection(self._pool) as conn:
             if self.citus:  # one bucket's timers per transaction (store/bucketed.py)
                 firings = [functools.partial(bucketed.fire_timers, conn, bucket)
-                           for bucket in bucketed.due_timer_buckets(conn, now)]
+                           for bucket in bucketed.due_timer_buckets(conn, self._nodes, now)]
             else:
                 firings = [functools.partial(fire, conn)
                            for fire in (timers.fire_due_batch, timers.fire_due_cron)]

@@ -66,6 +66,19 @@ def users_by_node(url, cluster, count):
             return live, down, sorted(first)
 
 
+def test_the_node_map_agrees_with_citus_on_every_bucket(url):
+    with psycopg.connect(url, autocommit=True) as conn:
+        by_citus = dict(conn.execute(
+            f"""SELECT b, p.groupid FROM generate_series(0, {citus.BUCKETS - 1}) b
+                  JOIN pg_dist_placement p
+                    ON p.shardid = get_shard_id_for_distribution_column('leases', b)""").fetchall())
+        groups = citus.NodeMap().groups(conn)
+    assert sorted(b for group in groups for b in group) == list(range(citus.BUCKETS))
+    assert len(groups) == 2
+    for group in groups:
+        assert len({by_citus[b] for b in group}) == 1, group
+
+
 def done_in(url, buckets):
     """Done events in `buckets` (a read the stopped node need not answer)."""
     with psycopg.connect(url, autocommit=True) as conn:

@@ -148,16 +148,16 @@ SELECT tally.died, tally.unfinished, claimed.*
 """
 
 
-def _due(conn, statement: str, now: int | None) -> list[int]:
+def _due(conn, nodes: citus.NodeMap, statement: str, now: int | None) -> list[int]:
     """The buckets `statement` (bucket, its oldest due time) finds on every node
     that answers, the longest waiting first: a node that does not answer holds
     up its own users only."""
-    rows = citus.per_node(conn, statement, {"now": now})
+    rows = citus.per_node(conn, nodes, statement, {"now": now})
     return [b for b, _ in sorted(rows, key=lambda row: (row[1], row[0]))]
 
 
-def due_buckets(conn, now: int | None) -> list[int]:
-    return _due(conn, DUE_BUCKETS, now)
+def due_buckets(conn, nodes: citus.NodeMap, now: int | None) -> list[int]:
+    return _due(conn, nodes, DUE_BUCKETS, now)
 
 
 def take(conn, bucket: int, holder: str, ttl: int, policy: ClaimPolicy, now: int | None,
@@ -309,8 +309,8 @@ SELECT user_id FROM deliveries
 """
 
 
-def due_delivery_buckets(conn, now: int | None) -> list[int]:
-    return _due(conn, DUE_DELIVERY_BUCKETS, now)
+def due_delivery_buckets(conn, nodes: citus.NodeMap, now: int | None) -> list[int]:
+    return _due(conn, nodes, DUE_DELIVERY_BUCKETS, now)
 
 
 def lock_due_deliveries(conn, bucket: int, limit: int, now: int | None) -> list[str]:
@@ -339,8 +339,8 @@ SELECT {timers.RIPE_COLUMNS}
 """
 
 
-def due_timer_buckets(conn, now: int | None) -> list[int]:
-    return _due(conn, DUE_TIMER_BUCKETS, now)
+def due_timer_buckets(conn, nodes: citus.NodeMap, now: int | None) -> list[int]:
+    return _due(conn, nodes, DUE_TIMER_BUCKETS, now)
 
 
 def fire_timers(conn, bucket: int, now: int | None, limit: int) -> timers.Batch:
@@ -386,9 +386,10 @@ SELECT l.user_id, l.gen FROM leases l
 """
 
 
-def held_by(conn, holder: str, now: int | None) -> list[tuple[str, int]]:
+def held_by(conn, nodes: citus.NodeMap, holder: str, now: int | None) -> list[tuple[str, int]]:
     """The (user, gen) of the leases `holder` holds, on every node that answers."""
-    return [tuple(row) for row in citus.per_node(conn, HELD_BY, {"holder": holder, "now": now})]
+    params = {"holder": holder, "now": now}
+    return [tuple(row) for row in citus.per_node(conn, nodes, HELD_BY, params)]
 
 
 # The fence of a release or a give-back: the lease expired now if `holder`
