@@ -38,7 +38,6 @@ machine, the code). Exit 0 only if every drain was exactly once.
 
 import argparse
 import json
-import os
 import re
 import statistics
 import sys

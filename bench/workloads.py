@@ -175,11 +175,8 @@ def latency(system: str, url: str, *, users: int, interval: float, duration: flo
     ingest/defer call, carried in the payload; latency = handler start - t0."""
     res = resources()
     (reset_ours if system == "ours" else reset_peer)(url)
-    w = Workers(system, worker_url or url, workers, concurrency, poll, res.tempdir("rec"),
-                res.tempdir("log"), env=dict(OURS_ENV) if system == "ours" else {},
-                extra_args=list(worker_args))
-    if on_loaded is not None:
-        on_loaded()
+    w = Workers(system, url, workers, concurrency, poll, res.tempdir("rec"), res.tempdir("log"),
+                env=dict(OURS_ENV) if system == "ours" else {})
     w.start()
     try:
         w.wait_listening()

@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING
 _EXPORTS = {
     "agent_inbox.errors": [
         "AgentInboxError", "DatabaseRefused", "DatabaseUnavailable", "InvalidAnswer",
-        "InvalidInput", "InvalidPayload", "InvalidTime", "InvalidTimer", "PayloadTooLarge",
-        "PermanentSendError", "SchemaNotAtHead", "TransactionConflict",
+        "InvalidInput", "InvalidPayload", "InvalidTime", "InvalidTimer", "PartlyDone",
+        "PayloadTooLarge", "PermanentSendError", "SchemaNotAtHead", "TransactionConflict",
     ],
     "agent_inbox.handler": ["Context"],
     "agent_inbox.inbox": ["Inbox"],
@@ -43,8 +43,8 @@ def __dir__() -> list[str]:
 if TYPE_CHECKING:
     from agent_inbox.errors import (AgentInboxError, DatabaseRefused, DatabaseUnavailable,
                                     InvalidAnswer, InvalidInput, InvalidPayload, InvalidTime,
-                                    InvalidTimer, PayloadTooLarge, PermanentSendError,
-                                    SchemaNotAtHead, TransactionConflict)
+                                    InvalidTimer, PartlyDone, PayloadTooLarge,
+                                    PermanentSendError, SchemaNotAtHead, TransactionConflict)
     from agent_inbox.handler import Context
     from agent_inbox.inbox import Inbox
     from agent_inbox.records import Event, Lease, OutboxMessage, Timer
