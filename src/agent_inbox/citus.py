@@ -115,6 +115,9 @@ SELECT array_agg(b ORDER BY b)
 NODE_MAP_TTL = 10.0
 """Seconds a NodeMap keeps what it read."""
 
+SKIP_WARNING_INTERVAL = 30.0
+"""Seconds between two warnings that one node's buckets were skipped."""
+
 
 class NodeMap:
     """Which buckets each worker node holds (NODE_BUCKETS), read again at most
@@ -125,12 +128,22 @@ class NodeMap:
     def __init__(self):
         self._groups: list[list[int]] = []
         self._read_at = -math.inf
+        self._warned: dict[tuple[int, ...], float] = {}
 
     def groups(self, conn: psycopg.Connection) -> list[list[int]]:
         if time.monotonic() - self._read_at > NODE_MAP_TTL:
             self._groups = [buckets for buckets, in conn.execute(NODE_BUCKETS).fetchall()]
             self._read_at = time.monotonic()
         return self._groups
+
+    def skipped(self, buckets: list[int], exc: BaseException) -> None:
+        """Log that a node's buckets were skipped: at most once per
+        SKIP_WARNING_INTERVAL for a node, however often work is looked for."""
+        key, now = tuple(buckets), time.monotonic()
+        if now - self._warned.get(key, -math.inf) >= SKIP_WARNING_INTERVAL:
+            self._warned[key] = now
+            log.warning("a worker node did not answer; its buckets are skipped until it "
+                        "does: %s", first_line(exc))
 
 
 @contextlib.contextmanager
@@ -159,10 +172,11 @@ def per_node(conn: psycopg.Connection, nodes: NodeMap, statement: str,
     read would abort a transaction)."""
     rows, failures = [], []
     for buckets in nodes.groups(conn):
+        failed = len(failures)
         with node_may_fail(conn, failures):
             rows += conn.execute(statement, {**params, "buckets": buckets}).fetchall()
-    for exc in failures:
-        log.warning("a worker node did not answer; its buckets are skipped: %s", first_line(exc))
+        if len(failures) > failed:
+            nodes.skipped(buckets, failures[-1])
     return rows
 
 

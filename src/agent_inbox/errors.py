@@ -57,9 +57,9 @@ class DatabaseUnavailable(AgentInboxError):
 
 
 class PartlyDone(DatabaseUnavailable):
-    """On Citus, a worker node stopped answering during a call about users on
-    several nodes: the call did its work on the nodes that answered, each in
-    transactions of its own, and not the rest. `done` is what it did, as the
+    """On Citus, part of a call about users on several nodes failed (a worker
+    node did not answer, or a deadlock): the call did its work on the others,
+    each in transactions of its own, and not that part. `done` is what it did, as the
     method says (`take_runs`: the runs taken; `finish_runs`: a flag per outcome,
     None where nothing was committed; `renew_runs`: the keys renewed, with
     `unknown`, the keys whose node did not answer)."""

@@ -84,8 +84,7 @@ class Runs:
         if self.citus:
             taken, failure = self._take_by_bucket(holder, users, now)
             if failure is not None:
-                raise errors.PartlyDone(f"a worker node did not answer a take: "
-                                        f"{citus.first_line(failure)}",
+                raise errors.PartlyDone(f"a take stopped short: {citus.first_line(failure)}",
                                         self._as_runs(holder, taken)) from failure
             return self._as_runs(holder, taken)
         with db.connection(self._pool) as conn:
@@ -96,16 +95,21 @@ class Runs:
                         now: int | None) -> tuple[list[tuple], Exception | None]:
         """On Citus: the buckets with due wakes, longest waiting first (read per
         node, no lock), each taken from in a transaction of its own until
-        `users` are taken; what was taken, and the failure of a bucket whose
-        node did not answer (which ends the take; None if none did)."""
+        `users` are taken; what was taken (committed), and the failure of a
+        bucket whose node did not answer (which ends the take; None if none
+        did). A take whose commit failed may have taken runs unseen, as
+        anywhere: the caller gives back orphans."""
         taken: list[tuple] = []
         failures: list[Exception] = []
         with db.connection(self._pool) as conn:
             for bucket in bucketed.due_buckets(conn, self._nodes, now):
                 with citus.node_may_fail(conn, failures), conn.transaction():
-                    taken += bucketed.take(conn, bucket, holder, self.lease_ttl, self.policy,
-                                           now, users - len(taken))
-                if failures or len(taken) >= users:
+                    got = bucketed.take(conn, bucket, holder, self.lease_ttl, self.policy,
+                                        now, users - len(taken))
+                if failures:
+                    break
+                taken += got
+                if len(taken) >= users:
                     break
         return taken, (failures[0] if failures else None)
 
@@ -128,7 +132,7 @@ class Runs:
                 if len(failures) > failed:
                     unknown.update(keys)
         if failures:
-            raise errors.PartlyDone(f"a worker node did not answer a renewal: "
+            raise errors.PartlyDone(f"{len(unknown)} leases not renewed: "
                                     f"{citus.first_line(failures[0])}", renewed, unknown)
         return renewed
 
@@ -238,16 +242,15 @@ class Runs:
         failures: list[Exception] = []
         with db.connection(self._pool) as conn:
             for o in outcomes:
-                flag = None
+                failed = len(failures)
                 with citus.node_may_fail(conn, failures), conn.transaction():
-                    flag = bucketed.finish(conn, o.finish, now, release=release)
-                    if flag:
+                    accepted = bucketed.finish(conn, o.finish, now, release=release)
+                    if accepted:
                         self._write_timers(conn, o, now)
-                flags.append(flag)
+                flags.append(None if len(failures) > failed else accepted)  # committed, or not
         if failures:
-            raise errors.PartlyDone(f"{flags.count(None)} of {len(flags)} finishes met a worker "
-                                    f"node that did not answer: {citus.first_line(failures[0])}",
-                                    flags) from failures[0]
+            raise errors.PartlyDone(f"{flags.count(None)} of {len(flags)} finishes not committed: "
+                                    f"{citus.first_line(failures[0])}", flags) from failures[0]
         return flags
 
     def hand_back(self, runs: list[Run], *, now: int | None = None) -> list[str]:

@@ -152,7 +152,7 @@ class Worker:
         try:
             runs = self.inbox.take_runs(self.holder, users=users, now=now)
         except errors.PartlyDone as exc:  # Citus: a node did not answer; start what was taken
-            log.warning("took %d runs; a worker node did not answer: %s", len(exc.done), exc)
+            log.warning("took %d runs; the take stopped short: %s", len(exc.done), exc)
             self._unsure = True
             runs = exc.done
         except errors.DatabaseUnavailable:
