@@ -47,7 +47,7 @@ from pathlib import Path
 import psycopg
 from psycopg import conninfo
 
-from agent_inbox import Inbox, Result, citus, migrate, pgserver
+from agent_inbox import Inbox, citus, migrate, pgserver
 from bench import workloads
 from bench.common import (RESULTS, open_count_query, resources, server_cpu_seconds,
                           src_fingerprint)
@@ -230,10 +230,7 @@ def take(side: Side, url: str, cfg: dict, serial: list) -> dict:
         profile = window.close()
         assert all(run is not None and run.events for run in runs), "a profiled take found no work"
         for run in runs:
-            assert inbox.finish_run(run, Result())
-            base, serial[0] = serial[0], serial[0] + w4["pending"]
-            inbox.ingest_many([(run.user, workloads.SOURCE, f"r-{base + k}", {"k": k})
-                               for k in range(w4["pending"])])
+            workloads.finish_and_refill(inbox, run, w4["pending"], serial)
     return {**timed, "profile": profile, "per_take": per_unit(profile, TAKES_PROFILED)}
 
 

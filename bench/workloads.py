@@ -514,11 +514,17 @@ def _take_cycle(inbox: Inbox, holder: str, pending: int, serial: list) -> float:
     run = inbox.take_work(holder)
     dt = time.perf_counter() - t
     assert run is not None and len(run.events) == pending, run
+    finish_and_refill(inbox, run, pending, serial)
+    return dt * 1000.0
+
+
+def finish_and_refill(inbox: Inbox, run, pending: int, serial: list) -> None:
+    """A taken run finished and its user given `pending` fresh events (keys from
+    the counter `serial[0]`), so the number of users with work stays the same."""
     assert inbox.finish_run(run, Result())
     base = serial[0]
     serial[0] += pending
     inbox.ingest_many([(run.user, SOURCE, f"r-{base + k}", {"k": k}) for k in range(pending)])
-    return dt * 1000.0
 
 
 def take_work_params(inbox: Inbox, holder: str) -> dict:
