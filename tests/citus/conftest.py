@@ -13,23 +13,19 @@ import contextlib
 
 import pytest
 
-from agent_inbox import Inbox, citus, migrate, pgserver
+from agent_inbox import Inbox
+from tests.citus.support import distributed_database, started_cluster
 
 
 @pytest.fixture(scope="session")
 def citus_cluster():
-    if not pgserver.citus_installed():
-        pytest.skip("the Citus extension is not installed for the local PostgreSQL "
-                    "(.ci/run installs it from ../shared/citus/)")
-    with pgserver.CitusCluster(workers=2) as cluster:
+    with started_cluster() as cluster:
         yield cluster
 
 
 @pytest.fixture
 def database_url(citus_cluster):
-    url = citus_cluster.create_database()
-    migrate.upgrade(url)
-    citus.distribute(url)
+    url = distributed_database(citus_cluster)
     yield url
     citus_cluster.drop_database(url)
 

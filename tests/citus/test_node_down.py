@@ -18,7 +18,8 @@ import sys
 import psycopg
 import pytest
 
-from agent_inbox import Inbox, Result, citus, errors, migrate, pgserver
+from agent_inbox import Inbox, Result, citus, errors
+from tests.citus.support import distributed_database, started_cluster
 from tests.runtime.support import ROOT, stop_all, wait_until, worker_args
 
 NODE_BUCKETS = f"""
@@ -32,18 +33,13 @@ SELECT n.nodeport, array_agg(b ORDER BY b)
 
 @pytest.fixture(scope="module")
 def cluster():
-    if not pgserver.citus_installed():
-        pytest.skip("the Citus extension is not installed for the local PostgreSQL "
-                    "(.ci/run installs it from ../shared/citus/)")
-    with pgserver.CitusCluster(workers=2) as started:
+    with started_cluster() as started:
         yield started
 
 
 @pytest.fixture
 def url(cluster):
-    made = cluster.create_database()
-    migrate.upgrade(made)
-    citus.distribute(made)
+    made = distributed_database(cluster)
     yield made
     for node in cluster.workers:  # a test that failed half-way may leave one stopped
         if not node.running:
