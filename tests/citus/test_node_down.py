@@ -19,7 +19,7 @@ import psycopg
 import pytest
 
 from agent_inbox import Inbox, Result, citus, errors
-from tests.citus.support import distributed_database, started_cluster
+from tests.citus.support import started_cluster
 from tests.runtime.support import ROOT, stop_all, wait_until, worker_args
 
 NODE_BUCKETS = f"""
@@ -32,19 +32,24 @@ SELECT n.nodeport, array_agg(b ORDER BY b)
 
 
 @pytest.fixture(scope="module")
-def cluster():
-    with started_cluster() as started:
-        yield started
+def citus_cluster():
+    """This module's own cluster, in place of the session's: a test here stops a
+    node (conftest's `database_url` lays its databases out on this one)."""
+    with started_cluster() as cluster:
+        yield cluster
 
 
 @pytest.fixture
-def url(cluster):
-    made = distributed_database(cluster)
-    yield made
-    for node in cluster.workers:  # a test that failed half-way may leave one stopped
+def cluster(citus_cluster, database_url):
+    yield citus_cluster
+    for node in citus_cluster.workers:  # a test that failed half-way may leave one stopped
         if not node.running:
             node.start()
-    cluster.drop_database(made)
+
+
+@pytest.fixture
+def url(database_url, cluster):
+    return database_url
 
 
 def users_by_node(url, cluster, count):
