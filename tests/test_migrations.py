@@ -11,7 +11,7 @@ import pytest
 from agent_inbox import errors, migrate, revision
 
 TABLES = {"events", "leases", "timers", "outbox", "operator_actions", "deliveries", "wakes",
-          "run_stats"}
+          "run_stats", "steps"}
 
 
 def _tables(url: str) -> set[str]:

@@ -54,7 +54,8 @@ BUCKETS = 64
 """How many buckets users are spread over. Part of the layout: changing it
 means re-bucketing every row."""
 
-USER_TABLES = ("leases", "events", "wakes", "timers", "outbox", "deliveries", "operator_actions")
+USER_TABLES = ("leases", "events", "wakes", "timers", "outbox", "deliveries", "operator_actions",
+               "steps")
 """Every table keyed by user, distributed by bucket and co-located with leases."""
 
 BUCKET_FUNCTION = f"""
@@ -73,6 +74,9 @@ KEYS = (
     ("outbox", "pk_outbox", "PRIMARY KEY (bucket, user_id, id)"),
     ("deliveries", "pk_deliveries", "PRIMARY KEY (bucket, user_id)"),
     ("operator_actions", "pk_operator_actions", "PRIMARY KEY (bucket, user_id, id)"),
+    ("steps", "pk_steps", "PRIMARY KEY (bucket, user_id, id)"),
+    ("steps", "uq_steps_user_id_event_ids_position",
+     "UNIQUE (bucket, user_id, event_ids, position)"),
 )
 
 
@@ -240,33 +244,57 @@ def _require_coordinator(conn: psycopg.Connection) -> None:
 
 def distribute(url: str, *, shard_count: int = 32) -> bool:
     """Lay the migrated schema at `url` out over the Citus cluster (see the
-    module's docstring). False if it already was; True if this call did it.
-    Runs in autocommit, step by step: Citus distributes a table in a transaction
-    of its own."""
+    module's docstring). On a database already laid out, a user table a later
+    migration added (steps, in 0006) is laid out the same way. False if there
+    was nothing to do; True if this call distributed something. Runs in
+    autocommit, step by step: Citus distributes a table in a transaction of its
+    own."""
     with _connect(url) as conn:
         _require_coordinator(conn)
         if is_distributed(conn):
-            return False
+            added = [table for table in USER_TABLES if not _is_distributed_table(conn, table)]
+            if not added:
+                return False
+            with conn.transaction():
+                _add_buckets(conn, added)
+            for table in added:
+                _colocate(conn, table)
+            return True
         with conn.transaction():
             conn.execute(BUCKET_FUNCTION)
             conn.execute("DROP TRIGGER IF EXISTS events_inserted ON events")
-            for table in USER_TABLES:
-                conn.execute(f"ALTER TABLE {table} ADD COLUMN bucket int")
-                conn.execute(f"UPDATE {table} SET bucket = agent_inbox_bucket(user_id)")
-                conn.execute(f"ALTER TABLE {table} ALTER COLUMN bucket SET NOT NULL")
-            for table, name, definition in KEYS:
-                conn.execute(f"ALTER TABLE {table} DROP CONSTRAINT {name}")
-                conn.execute(f"ALTER TABLE {table} ADD CONSTRAINT {name} {definition}")
+            _add_buckets(conn, USER_TABLES)
             for statement in BUCKET_INDEXES:
                 conn.execute(statement)
         conn.execute("SELECT create_distributed_table('leases', 'bucket', shard_count => %s)",
                      (shard_count,))
         for table in USER_TABLES[1:]:
-            conn.execute("SELECT create_distributed_table(%s, 'bucket', colocate_with => 'leases')",
-                         (table,))
+            _colocate(conn, table)
         conn.execute("SELECT create_distributed_table('run_stats', 'process', "
                      "shard_count => %s)", (shard_count,))
     return True
+
+
+def _add_buckets(conn: psycopg.Connection, tables) -> None:
+    """Give `tables` their bucket column, filled, and their keys rebuilt with it first."""
+    for table in tables:
+        conn.execute(f"ALTER TABLE {table} ADD COLUMN bucket int")
+        conn.execute(f"UPDATE {table} SET bucket = agent_inbox_bucket(user_id)")
+        conn.execute(f"ALTER TABLE {table} ALTER COLUMN bucket SET NOT NULL")
+    for table, name, definition in KEYS:
+        if table in tables:
+            conn.execute(f"ALTER TABLE {table} DROP CONSTRAINT {name}")
+            conn.execute(f"ALTER TABLE {table} ADD CONSTRAINT {name} {definition}")
+
+
+def _colocate(conn: psycopg.Connection, table: str) -> None:
+    conn.execute("SELECT create_distributed_table(%s, 'bucket', colocate_with => 'leases')",
+                 (table,))
+
+
+def _is_distributed_table(conn: psycopg.Connection, table: str) -> bool:
+    return conn.execute("SELECT EXISTS (SELECT 1 FROM pg_dist_partition"
+                        " WHERE logicalrelid = to_regclass(%s))", (table,)).fetchone()[0]
 
 
 # --- routing -----------------------------------------------------------------

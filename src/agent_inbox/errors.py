@@ -89,3 +89,16 @@ class PermanentSendError(AgentInboxError):
     """Raised by a channel for a batch that can never be sent as it is (the
     receiver refused the request itself: a 4xx other than 408 and 429). The
     dispatcher parks the batch `failed` at once instead of retrying it."""
+
+
+class StepMismatch(AgentInboxError):
+    """A run asked for its durable steps in another order than the earlier
+    attempt at the same events recorded them (`ctx.step`): replaying would hand
+    a step another step's result. The handler must call its steps in the same
+    order on every attempt (branch on what steps returned, not on the clock)."""
+
+
+class StepRefused(AgentInboxError):
+    """A step's record was refused by the run's fence: the lease is no longer
+    this run's (it expired, or another worker took the user over). The run is
+    stopped as for a lost lease; nothing it returns will commit."""

@@ -30,6 +30,7 @@ from typing import Any, Callable
 from agent_inbox import errors
 from agent_inbox.records import Event
 from agent_inbox.result import Result
+from agent_inbox.steps import NO_RUN, RunSteps
 
 
 class LeaseLost:
@@ -77,12 +78,36 @@ def _resolve(future: asyncio.Future) -> None:
 
 @dataclass
 class Context:
-    """What a handler knows about its run (see `LeaseLost` for `lease_lost`)."""
+    """What a handler knows about its run (see `LeaseLost` for `lease_lost`),
+    and its durable steps (steps.py): `await ctx.step(name, fn, *args)` in an
+    async handler, `ctx.step_sync(name, fn, *args)` in a plain one, and
+    `ctx.step_key(name)`, the idempotency key of the next call of `name`."""
 
     user: str
     holder: str
     gen: int
     lease_lost: LeaseLost = field(default_factory=LeaseLost)
+    steps: RunSteps | None = field(default=None, repr=False)
+
+    async def step(self, name: str, fn: Callable, /, *args, **kwargs) -> Any:
+        """`fn(*args, **kwargs)` (awaited if it returns an awaitable), called
+        once for this run's events however many attempts the run takes: its
+        result is recorded before it is returned, and replayed to later attempts."""
+        return await self._steps().run_async(name, fn, args, kwargs)
+
+    def step_sync(self, name: str, fn: Callable, /, *args, **kwargs) -> Any:
+        """`step` for a plain (thread) handler: blocks until the record is committed."""
+        return self._steps().run_blocking(name, fn, args, kwargs)
+
+    def step_key(self, name: str) -> str:
+        """A key that names the next `step(name, ...)` call of this run the same
+        way on every attempt: a provider's idempotency key."""
+        return self._steps().key(name)
+
+    def _steps(self) -> RunSteps:
+        if self.steps is None:
+            raise errors.AgentInboxError(NO_RUN)
+        return self.steps
 
 
 def load(reference: str, *, what: str = "handler") -> Callable:
@@ -176,6 +201,57 @@ RUN_STARTED = "started"
 DEATHS_BEFORE_START = 3
 
 
+# A handler process's durable steps go through its worker (PipeJournal): it
+# asks with (STEPS_ASKED,) or (STEP_RECORDED, record) and waits for
+# ("ok", answer), ("refused", message) or ("failed", message).
+STEPS_ASKED = "steps?"
+STEP_RECORDED = "step"
+
+
+class PipeJournal:
+    """A quarantined run's step journal: each read and record asked of the
+    worker over the process's pipe (one run at a time, so one question at a
+    time), answered once the worker's completer has read or committed it."""
+
+    def __init__(self, conn):
+        self._conn = conn
+
+    def _ask(self, *question):
+        self._conn.send(question)
+        verdict, answer = self._conn.recv()
+        if verdict == "refused":
+            raise errors.StepRefused(answer)
+        if verdict == "failed":
+            raise errors.DatabaseUnavailable(answer)
+        return answer
+
+    def recorded(self):
+        return self._ask(STEPS_ASKED)
+
+    def record(self, record) -> None:
+        self._ask(STEP_RECORDED, record)
+
+    async def recorded_async(self):  # the process runs this run alone: waiting blocks no other
+        return self.recorded()
+
+    async def record_async(self, record) -> None:
+        self.record(record)
+
+
+def _answer_step(question: tuple, ctx: Context) -> tuple[str, Any]:
+    """The worker's side of PipeJournal: the answer to a quarantined run's question."""
+    journal = ctx.steps.journal
+    try:
+        if question[0] == STEPS_ASKED:
+            return "ok", journal.recorded()
+        journal.record(question[1])
+        return "ok", None
+    except errors.StepRefused as exc:
+        return "refused", str(exc)
+    except Exception as exc:
+        return "failed", f"{type(exc).__name__}: {exc}"
+
+
 def _serve_runs(reference: str, conn, parent: int) -> None:
     """A handler process's loop: one run per message, answered with (result,
     seconds the handler took), until the pipe closes. Async handlers run on one
@@ -188,10 +264,14 @@ def _serve_runs(reference: str, conn, parent: int) -> None:
         target, problem = None, str(exc)
     while True:
         try:
-            batch, user, holder, gen = conn.recv()
+            batch, user, holder, gen, step_limit = conn.recv()
         except EOFError:
             return
         ctx = Context(user=user, holder=holder, gen=gen)  # never set: the process is stopped
+        if step_limit is not None:  # a run with a journal in the worker
+            ctx.steps = RunSteps(user, holder, gen, [e.id for e in batch],
+                                 may_resume=any(e.attempts > 1 for e in batch),
+                                 journal=PipeJournal(conn), max_result_bytes=step_limit)
         conn.send(RUN_STARTED)
         started = time.monotonic()
         if target is None:
@@ -243,7 +323,8 @@ class HandlerProcess:
             process, conn = current if current[0] and current[0].is_alive() else self._start()
             started = time.monotonic()
             try:
-                conn.send((batch, ctx.user, ctx.holder, ctx.gen))
+                step_limit = ctx.steps.max_result_bytes if ctx.steps else None
+                conn.send((batch, ctx.user, ctx.holder, ctx.gen, step_limit))
             except OSError:  # it died after the check: nothing ran yet
                 self.stop()
                 continue
@@ -270,6 +351,10 @@ class HandlerProcess:
                     return unreadable, time.monotonic() - started
                 if message == RUN_STARTED:
                     running = True
+                    continue
+                if isinstance(message, tuple) and message[:1] in ((STEPS_ASKED,),
+                                                                  (STEP_RECORDED,)):
+                    conn.send(_answer_step(message, ctx))
                     continue
                 if message is not None:
                     return message

@@ -16,7 +16,8 @@ from agent_inbox.delivery import Delivery
 from agent_inbox.records import EVENT_STATUSES, ClaimPolicy, Event, SendPolicy
 from agent_inbox.runs import Run, Runs
 from agent_inbox.scheduling import Scheduling
-from agent_inbox.store import bucketed, inbox, lease, retention
+from agent_inbox.store import bucketed, inbox, lease, retention, steps
+from agent_inbox.store.steps import RecordedStep
 
 __all__ = ["Inbox", "Run"]
 
@@ -170,6 +171,13 @@ class Inbox(Runs, Scheduling, Delivery):
         with db.connection(self._pool) as conn:
             return inbox.list_events(conn, user, status)
 
+    def steps(self, user: str) -> list[RecordedStep]:
+        """A user's recorded durable steps (of runs in flight or that never
+        finished successfully), by event set and position; for operators."""
+        user = validate.text("user", user)
+        with db.connection(self._pool) as conn:
+            return steps.list_steps(conn, user)
+
     # --- lease, claim, finish --------------------------------------------------
 
     def acquire(self, user: str, holder: str, *, now: int | None = None) -> int | None:
@@ -227,7 +235,8 @@ class Inbox(Runs, Scheduling, Delivery):
         """Delete finished events older than `older_than` seconds, except that an
         event inside `dedup_window` keeps its row (and key: a redelivery is still a
         duplicate) and only loses its payload. Dead events too with include_dead.
-        Returns (deleted, compacted); `progress(users, deleted, compacted)` is
+        Durable steps recorded before `older_than` go too (a successful finish
+        deletes its own: these are of runs that never finished). Returns (deleted, compacted); `progress(users, deleted, compacted)` is
         called after each chunk of users."""
         older_than = validate.epoch("older_than", older_than)
         dedup_window = validate.epoch("dedup_window", dedup_window)

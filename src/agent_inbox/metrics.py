@@ -28,6 +28,12 @@ QUARANTINED = Counter("agent_inbox_runs_quarantined_total",
 DEAD = Counter("agent_inbox_events_dead_total", "Events parked dead (out of attempts)")
 RUN_SECONDS = Histogram("agent_inbox_run_seconds", "Handler run time",
                         buckets=(0.01, 0.05, 0.1, 0.5, 1, 2, 5, 10, 30, 60, 120, 300, 900))
+STEPS = Counter("agent_inbox_steps_total",
+                "Durable steps: recorded, replayed to a later attempt, or refused by the fence",
+                ["outcome"])
+STEP_COMMIT_SECONDS = Histogram(
+    "agent_inbox_step_commit_seconds", "From a step's result to its record committed",
+    buckets=(0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0))
 TIMERS_FIRED = Counter("agent_inbox_timers_fired_total", "Timers fired")
 OCCURRENCES_SKIPPED = Counter("agent_inbox_timer_occurrences_skipped_total",
                               "Timer occurrences coalesced or over the catch-up limit")

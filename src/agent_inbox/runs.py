@@ -17,12 +17,16 @@ take, a batch of finishes or a renewal that met a silent node raises
 PartlyDone with what it did on the others.
 """
 
+import asyncio
 from dataclasses import dataclass
 
 from agent_inbox import citus, db, errors, validate
+from agent_inbox.handler import Context
 from agent_inbox.records import Event
 from agent_inbox.result import ApprovalRequest, Message, Result, TimerRequest
-from agent_inbox.store import approvals, bucketed, inbox, lease, timers
+from agent_inbox.steps import RunSteps
+from agent_inbox.store import approvals, bucketed, inbox, lease, steps, timers
+from agent_inbox.store.steps import RecordedStep, StepRecord
 
 
 @dataclass(frozen=True)
@@ -51,6 +55,7 @@ class Outcome:
     messages: list[tuple[str, bool]]  # (body, urgent)
     timer_rows: list[dict]
     approval_rows: list[tuple[str, dict]]  # (request id, timer row)
+    forget_steps: bool = True  # see inbox.Finish
 
     @property
     def writes_timers(self) -> bool:
@@ -60,7 +65,7 @@ class Outcome:
     def finish(self) -> inbox.Finish:
         run = self.run
         return inbox.Finish(run.user, run.holder, run.gen, [e.id for e in run.events],
-                            self.messages, self.error)
+                            self.messages, self.error, self.forget_steps)
 
 
 class Runs:
@@ -185,8 +190,10 @@ class Runs:
             return bucketed.held_by(conn, self._nodes, holder, now)
         return lease.held_by(conn, holder, now)
 
-    def outcome(self, run: Run, result: Result) -> Outcome:
-        """Check a handler's result for committing; InvalidInput names what is wrong."""
+    def outcome(self, run: Run, result: Result, *, steps_recorded: bool = True) -> Outcome:
+        """Check a handler's result for committing; InvalidInput names what is wrong.
+        `steps_recorded=False` says the run recorded no durable step: a first
+        attempt's finish then has no step to delete (and does not look)."""
         if not isinstance(result, Result):
             raise errors.InvalidInput("result", result, "must be an agent_inbox.Result")
         error = None if result.error is None else validate.text("result.error", result.error)
@@ -194,7 +201,8 @@ class Runs:
         timer_rows = [self._timer_row(t) for t in validate.sequence("result.timers", result.timers)]
         approval_rows = [self._approval_row(a)
                          for a in validate.sequence("result.approvals", result.approvals)]
-        return Outcome(run, error, messages, timer_rows, approval_rows)
+        forget = steps_recorded or any(event.attempts > 1 for event in run.events)
+        return Outcome(run, error, messages, timer_rows, approval_rows, forget)
 
     def finish_run(self, run: Run, result: Result, *, release: bool = True,
                    now: int | None = None) -> bool:
@@ -252,6 +260,53 @@ class Runs:
             raise errors.PartlyDone(f"{flags.count(None)} of {len(flags)} finishes not committed: "
                                     f"{citus.first_line(failures[0])}", flags) from failures[0]
         return flags
+
+    # --- durable steps (steps.py, store/steps.py) ---------------------------------------
+
+    def record_steps(self, records: list[StepRecord], *, now: int | None = None) -> list[bool]:
+        """Commit step records (of any runs of one holder), each behind its run's
+        fence; a flag per record, in order: False where the fence refused it (its
+        run's lease is lost) and nothing of it was stored. On Citus one
+        transaction per bucket."""
+        now = validate.optional_epoch("now", now)
+        if not records:
+            return []
+        order = sorted(range(len(records)), key=lambda i: records[i].user)
+        stored: dict[int, bool] = {}
+        with db.connection(self._pool) as conn:
+            if self.citus:
+                for group in citus.by_bucket(order, lambda i: records[i].user):
+                    with conn.transaction():
+                        flags = bucketed.record_steps(conn, [records[i] for i in group], now)
+                    stored.update(zip(group, flags))
+            else:
+                with conn.transaction():
+                    kept = steps.record(conn, records, now)
+                stored = {i: (r.user, r.gen, r.position) in kept for i, r in enumerate(records)}
+        return [stored[i] for i in range(len(records))]
+
+    def recorded_steps(self, runs: list[tuple[str, tuple[int, ...]]]) -> list[list[RecordedStep]]:
+        """For each (user, event ids): the steps recorded for exactly those events,
+        in order. One read (on Citus one per bucket)."""
+        if not runs:
+            return []
+        answers: dict[int, list[RecordedStep]] = {}
+        with db.connection(self._pool) as conn:
+            for group in citus.groups(conn, list(range(len(runs))), lambda i: runs[i][0]):
+                answers.update(zip(group, steps.recorded(conn, [runs[i] for i in group])))
+        return [answers[i] for i in range(len(runs))]
+
+    def context(self, run: Run, *, max_step_bytes: int | None = None) -> Context:
+        """A handler's context for `run`, taken without a worker (take_work,
+        claim_batch): its durable steps are read and recorded through this
+        Inbox, one transaction per record."""
+        limit = self.max_payload_bytes if max_step_bytes is None else max_step_bytes
+        ctx = Context(run.user, run.holder, run.gen)
+        ctx.steps = RunSteps(run.user, run.holder, run.gen, [e.id for e in run.events],
+                             may_resume=any(e.attempts > 1 for e in run.events),
+                             journal=DirectJournal(self, run.user, [e.id for e in run.events]),
+                             max_result_bytes=limit)
+        return ctx
 
     def hand_back(self, runs: list[Run], *, now: int | None = None) -> list[str]:
         """Give back runs whose handlers never started: leases expired at once,
@@ -335,3 +390,25 @@ def _holder_of(runs: list[Run]) -> str:
     if len(holders) > 1:
         raise errors.InvalidInput("runs", sorted(holders), "must all be one holder's")
     return holders.pop() if holders else "-"
+
+
+class DirectJournal:
+    """A run's step journal through an Inbox (`Inbox.context`): each read and
+    record is a transaction of its own, on the Inbox's pool."""
+
+    def __init__(self, inbox: Runs, user: str, event_ids: list[int]):
+        self._inbox, self._key = inbox, (user, tuple(sorted(event_ids)))
+
+    def recorded(self) -> list[RecordedStep]:
+        return self._inbox.recorded_steps([self._key])[0]
+
+    def record(self, record: StepRecord) -> None:
+        if not self._inbox.record_steps([record])[0]:
+            raise errors.StepRefused(f"step {record.name!r} of user={record.user} "
+                                     f"gen={record.gen} refused: the run's lease is lost")
+
+    async def recorded_async(self) -> list[RecordedStep]:
+        return await asyncio.to_thread(self.recorded)
+
+    async def record_async(self, record: StepRecord) -> None:
+        await asyncio.to_thread(self.record, record)

@@ -98,6 +98,31 @@ wakes = sa.Table(
 )
 sa.Index("ix_wakes_at", wakes.c.at, wakes.c.id)
 
+# Durable steps (steps.py): what a run's `ctx.step` calls returned, recorded
+# under the run's lease fence so that a later attempt at the same events
+# replays them instead of calling them again. A record belongs to the exact set
+# of events its run claimed (`event_ids`, ascending) and to its place in that
+# run (`position`, from 1; `name` and `occurrence` say which call it was), so a
+# retry that claimed other events never replays it. Deleted by the run's
+# successful finish (and with a requeued or discarded event, or by prune).
+steps = sa.Table(
+    "steps",
+    metadata,
+    sa.Column("user_id", sa.Text, nullable=False),
+    sa.Column("id", sa.BigInteger, sa.Identity(always=True), nullable=False),
+    sa.Column("event_ids", sa.ARRAY(sa.BigInteger), nullable=False),
+    sa.Column("position", sa.Integer, nullable=False),
+    sa.Column("name", sa.Text, nullable=False),
+    sa.Column("occurrence", sa.Integer, nullable=False),
+    sa.Column("result", JSONB, nullable=False),
+    sa.Column("holder", sa.Text, nullable=False),
+    sa.Column("gen", sa.BigInteger, nullable=False),
+    sa.Column("recorded_at", sa.BigInteger, nullable=False, server_default=DB_CLOCK),
+    sa.PrimaryKeyConstraint("user_id", "id"),
+    sa.UniqueConstraint("user_id", "event_ids", "position"),
+    sa.CheckConstraint("position > 0 AND occurrence > 0", name="position"),
+)
+
 timers = sa.Table(
     "timers",
     metadata,

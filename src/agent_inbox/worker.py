@@ -29,6 +29,8 @@ Invariants kept here:
   retries it runs it in quarantine.
 """
 
+import asyncio
+import concurrent.futures
 import logging
 import math
 import os
@@ -46,7 +48,9 @@ from agent_inbox.inbox import Inbox
 from agent_inbox.result import Result
 from agent_inbox.runs import Outcome, Run
 from agent_inbox.service import Listener, Stop, Waker, backoff_delays, jittered
+from agent_inbox.steps import RunSteps
 from agent_inbox.store import notify, stats
+from agent_inbox.store.steps import RecordedStep, StepRecord
 
 log = logging.getLogger("agent_inbox.worker")
 
@@ -109,6 +113,42 @@ class Ending:
     at_once: bool = False
 
 
+@dataclass(eq=False)
+class StepWork:
+    """A run's durable-step read (`record` None) or record, for the completer,
+    which answers `reply` once it has read or committed it (steps.py)."""
+
+    flight: InFlight
+    record: StepRecord | None
+    reply: concurrent.futures.Future
+    asked: float  # host monotonic time it was asked
+
+
+class WorkerJournal:
+    """A run's step journal in the worker: its reads and records go through the
+    completer, which commits the records of every run in flight together."""
+
+    def __init__(self, worker: "Worker", flight: InFlight):
+        self._worker, self._flight = worker, flight
+
+    def _ask(self, record: StepRecord | None) -> concurrent.futures.Future:
+        reply = concurrent.futures.Future()
+        self._worker._endings.put(StepWork(self._flight, record, reply, time.monotonic()))
+        return reply
+
+    def recorded(self) -> list[RecordedStep]:
+        return self._ask(None).result()
+
+    def record(self, record: StepRecord) -> None:
+        self._ask(record).result()
+
+    async def recorded_async(self) -> list[RecordedStep]:
+        return await asyncio.wrap_future(self._ask(None))
+
+    async def record_async(self, record: StepRecord) -> None:
+        await asyncio.wrap_future(self._ask(record))
+
+
 class Worker:
     def __init__(self, inbox: Inbox, handler_reference: str, *, concurrency: int = 1,
                  poll_interval: float = 1.0, grace: float = 30.0, run_timeout: float = 900.0,
@@ -160,7 +200,7 @@ class Worker:
             raise
         log.debug("took %d runs of %d asked in %.1f ms", len(runs), users,
                   1000 * (time.monotonic() - started))
-        flights = [InFlight(run, Context(run.user, run.holder, run.gen), started) for run in runs]
+        flights = [self._flight(run, started) for run in runs]
         with self._guard:
             self._flights.update((f.run.key, f) for f in flights)
             self._executing += len(flights)
@@ -173,6 +213,14 @@ class Worker:
                 log.exception("could not start the run %s; giving it back", flight.label)
                 self.stop_run(flight, "not started")
         return flights
+
+    def _flight(self, run: Run, taken_at: float) -> InFlight:
+        flight = InFlight(run, Context(run.user, run.holder, run.gen), taken_at)
+        flight.ctx.steps = RunSteps(run.user, run.holder, run.gen, [e.id for e in run.events],
+                                    may_resume=any(e.attempts > 1 for e in run.events),
+                                    journal=WorkerJournal(self, flight),
+                                    max_result_bytes=self.inbox.max_payload_bytes)
+        return flight
 
     def _free(self) -> int:
         with self._guard:
@@ -329,6 +377,53 @@ class Worker:
         return {"runs": len(ran), "events": sum(len(run.events) for run in ran),
                 "accepted": sum(accepted)}
 
+    def steps(self, work: list[StepWork], *, now: int | None = None) -> None:
+        """Answer durable-step reads and records of runs in flight: the reads in
+        one statement, the records in one commit, each behind its run's fence.
+        A refused record stops its run as a lost lease does (StepRefused for the
+        handler); a failed statement fails the steps that asked (the handler
+        raises; its next attempt calls those steps again)."""
+        work = [w for w in work if w.reply.set_running_or_notify_cancel()]  # not cancelled
+        reads = [w for w in work if w.record is None]
+        writes = [w for w in work if w.record is not None]
+        if reads:
+            try:
+                answers = self.inbox.recorded_steps(
+                    [(w.flight.run.user, w.flight.ctx.steps.event_ids) for w in reads])
+            except Exception as exc:
+                log.warning("reading the durable steps of %d runs failed: %s", len(reads), exc)
+                for w in reads:
+                    w.reply.set_exception(_step_failure(exc))
+            else:
+                for w, answer in zip(reads, answers):
+                    if answer:
+                        log.info("resuming %s: %d steps recorded by an earlier attempt",
+                                 w.flight.label, len(answer))
+                        metrics.STEPS.labels("replayed").inc(len(answer))
+                    w.reply.set_result(answer)
+        if not writes:
+            return
+        try:
+            stored = self.inbox.record_steps([w.record for w in writes], now=now)
+        except Exception as exc:
+            log.warning("recording %d durable steps failed: %s", len(writes), exc)
+            for w in writes:
+                w.reply.set_exception(_step_failure(exc))
+            return
+        committed = time.monotonic()
+        for w, ok in zip(writes, stored):
+            if ok:
+                metrics.STEPS.labels("recorded").inc()
+                metrics.STEP_COMMIT_SECONDS.observe(committed - w.asked)
+                w.reply.set_result(None)
+                continue
+            metrics.STEPS.labels("refused").inc()
+            if self.stop_run(w.flight, "lost"):
+                log.warning("lease lost %s (a step's record was refused by the fence)",
+                            w.flight.label)
+            w.reply.set_exception(errors.StepRefused(
+                f"step {w.record.name!r} of {w.flight.label} refused: the run's lease is lost"))
+
     def _count(self, **counts: int) -> None:
         """Add counts to this process's run_stats row (the console's chart), in a
         statement of its own; kept for the next write if this one fails."""
@@ -356,7 +451,7 @@ class Worker:
         The flags of the finishes decided, and those to try again later: on
         Citus, the runs whose worker node did not answer while the others
         committed (retried by the completer, so that they hold up no other run)."""
-        pending = [(e.flight, self._outcome(e.flight.run, e.result)) for e in finishes]
+        pending = [(e.flight, self._outcome(e.flight, e.result)) for e in finishes]
         accepted: dict[InFlight, bool] = {}
         later: set[InFlight] = set()
         delays = backoff_delays(cap=5.0)
@@ -422,12 +517,14 @@ class Worker:
         with self._guard:
             self._unwritten.update((f.run.key, (f.run, now)) for f in flights)
 
-    def _outcome(self, run: Run, result: Result) -> Outcome:
+    def _outcome(self, flight: InFlight, result: Result) -> Outcome:
+        run, recorded = flight.run, flight.ctx.steps.written > 0
         try:
-            return self.inbox.outcome(run, result)
+            return self.inbox.outcome(run, result, steps_recorded=recorded)
         except errors.InvalidInput as exc:  # the handler's result was malformed
             log.error("handler result rejected user=%s gen=%s: %s", run.user, run.gen, exc)
-            return self.inbox.outcome(run, Result(error=f"invalid handler result: {exc}"))
+            return self.inbox.outcome(run, Result(error=f"invalid handler result: {exc}"),
+                                      steps_recorded=recorded)
 
     @staticmethod
     def _finished(outcome: Outcome, accepted: bool) -> None:
@@ -488,6 +585,12 @@ class Worker:
                     batch.append(self._endings.get(timeout=wait))
                 except queue.Empty:
                     break
+            work = [item for item in batch if isinstance(item, StepWork)]
+            batch = [item for item in batch if not isinstance(item, StepWork)]
+            if work:
+                self.steps(work)
+            if not batch:
+                continue
             try:
                 began = time.monotonic()
                 self.complete(batch)
@@ -580,10 +683,15 @@ class Worker:
         deadline = time.monotonic() + timeout
         while len(endings) < len(flights):
             try:
-                endings.append(self._endings.get(timeout=max(0.1, deadline - time.monotonic())))
+                item = self._endings.get(timeout=max(0.1, deadline - time.monotonic()))
             except queue.Empty:
                 for flight in flights:
                     self.stop_run(flight, "timed out")
+                continue
+            if isinstance(item, StepWork):
+                self.steps([item], now=now)
+            else:
+                endings.append(item)
         return self.complete(endings, now=now)
 
     # --- the service ------------------------------------------------------------------------
@@ -661,6 +769,14 @@ class Worker:
         """Stop the quarantine processes and the event loop."""
         self.quarantine.close()
         self.loop.close()
+
+
+def _step_failure(exc: Exception) -> Exception:
+    """What a step's handler gets when its read or record failed: the
+    database's error as agent-inbox names it."""
+    if isinstance(exc, errors.AgentInboxError):
+        return exc
+    return errors.DatabaseUnavailable(f"a durable step could not be read or recorded: {exc}")
 
 
 def _positive_seconds(name: str, value) -> float:

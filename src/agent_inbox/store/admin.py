@@ -170,6 +170,9 @@ WITH clock AS (
 ), woke AS (  -- a take looks at the user (store/inbox.py, TAKE_WORK)
     INSERT INTO wakes (user_id, at)
     SELECT DISTINCT user_id, clock.now FROM requeued, clock ORDER BY user_id
+), unstepped AS (  -- a requeued event starts with no durable steps (store/steps.py)
+    DELETE FROM steps s USING requeued r
+     WHERE s.user_id = r.user_id AND r.id = ANY(s.event_ids)
 ), recorded AS (
     INSERT INTO operator_actions (user_id, at, actor, action, event_id, detail)
     SELECT user_id, clock.now, %(actor)s, 'requeue', id,
@@ -212,6 +215,9 @@ WITH target AS (
      USING target t
      WHERE e.user_id = t.user_id AND e.id = t.id
  RETURNING e.user_id, e.id, e.source, e.source_id, e.attempts, e.error, e.payload
+), unstepped AS (  -- and its durable steps (store/steps.py)
+    DELETE FROM steps s USING discarded d
+     WHERE s.user_id = d.user_id AND d.id = ANY(s.event_ids)
 ), recorded AS (
     INSERT INTO operator_actions (user_id, actor, action, event_id, detail)
     SELECT user_id, %(actor)s, 'discard', id,

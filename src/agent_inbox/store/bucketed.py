@@ -51,7 +51,7 @@ import json
 
 from agent_inbox import citus
 from agent_inbox.records import ClaimPolicy, Event
-from agent_inbox.store import approvals, inbox, lease, notify, timers
+from agent_inbox.store import approvals, inbox, lease, notify, steps, timers
 from agent_inbox.store.clock import DB_CLOCK, NOW
 from agent_inbox.store.inbox import CLAIM_STEPS, LOOK, Finish
 
@@ -273,6 +273,8 @@ def finish(conn, f: Finish, now: int | None, *, release: bool) -> bool:
     [ok] = conn.execute(FENCE_RELEASE if release else FENCE, params).fetchone()
     if not ok:
         return False
+    if f.error is None and f.forget_steps:
+        conn.execute(steps.FORGET, params)
     if f.error is None and f.messages:
         for body, urgent in f.messages:
             conn.execute(QUEUE, {**params, "body": body, "urgent": urgent})
@@ -509,6 +511,7 @@ def repair_dead(conn, pairs: list[tuple[str, int]], *, requeue: bool, actor: str
             conn.execute(WAKE, {**params, "at": at})
         else:
             conn.execute(DISCARD_ROWS, params)
+        conn.execute(steps.FORGET, params)  # a requeued event starts with no steps
         for event_id, source, source_id, attempts, error, payload in dead:
             row = {"user": user, "id": event_id, "source": source, "source_id": source_id}
             if requeue:
@@ -526,3 +529,36 @@ def repair_dead(conn, pairs: list[tuple[str, int]], *, requeue: bool, actor: str
     if done and requeue:
         conn.execute(f"SELECT pg_notify('{notify.WORK}', '')")
     return done
+
+
+# --- durable steps -----------------------------------------------------------
+
+# store/steps.py's RECORD for one record, in one bucket's transaction: the
+# run's lease row FOR SHARE if this holder holds it in this generation,
+# unexpired (the fence), then the record.
+STEP_FENCE = f"""
+SELECT 1 FROM leases l
+ WHERE l.user_id = %(user)s AND l.holder = %(holder)s AND l.gen = %(gen)s AND l.until >= {NOW}
+   FOR SHARE
+"""
+
+STEP_INSERT = """
+INSERT INTO steps (user_id, event_ids, position, name, occurrence, result, holder, gen)
+VALUES (%(user)s, %(event_ids)s::bigint[], %(position)s, %(name)s, %(occurrence)s,
+        %(result)s::jsonb, %(holder)s, %(gen)s)
+    ON CONFLICT (user_id, event_ids, position) DO NOTHING
+RETURNING 1
+"""
+
+
+def record_steps(conn, records: list[steps.StepRecord], now: int | None) -> list[bool]:
+    """Each record stored (True) or refused by its fence, in the caller's
+    transaction; the records are one bucket's, in user order (lease locks)."""
+    stored = []
+    for r in records:
+        params = {"user": r.user, "holder": r.holder, "gen": r.gen, "now": now,
+                  "event_ids": list(r.event_ids), "position": r.position, "name": r.name,
+                  "occurrence": r.occurrence, "result": r.result}
+        held = conn.execute(STEP_FENCE, params).fetchone() is not None
+        stored.append(held and conn.execute(STEP_INSERT, params).fetchone() is not None)
+    return stored

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from psycopg.rows import class_row
 
 from agent_inbox.records import ClaimPolicy, Event
-from agent_inbox.store import notify
+from agent_inbox.store import notify, steps
 from agent_inbox.store.clock import DB_CLOCK, NOW
 
 EVENT_COLUMNS = (
@@ -314,8 +314,9 @@ WITH clock AS (
     SELECT {NOW} AS now
 ), run AS (
     SELECT * FROM unnest(%(users)s::text[], %(holders)s::text[], %(gens)s::bigint[],
-                         %(counts)s::int[], %(errors)s::text[])
-                  WITH ORDINALITY AS r(user_id, holder, gen, named, error, n)
+                         %(counts)s::int[], %(errors)s::text[], %(forgets)s::boolean[],
+                         %(keys)s::text[])
+                  WITH ORDINALITY AS r(user_id, holder, gen, named, error, forget, events, n)
 ), mine AS (
     SELECT c.n, c.gen, c.user_id, c.id, e.version
       FROM unnest(%(event_runs)s::bigint[], %(event_users)s::text[], %(event_gens)s::bigint[],
@@ -327,7 +328,7 @@ WITH clock AS (
 ), found AS (
     SELECT n, count(*) AS events FROM mine GROUP BY n
 ), verdict AS (
-    SELECT run.n, run.user_id, run.error, run.named, l.version AS lease,
+    SELECT run.n, run.user_id, run.error, run.named, run.forget, run.events, l.version AS lease,
            l.version IS NOT NULL AND coalesce(found.events, 0) = run.named AS ok
       FROM run CROSS JOIN clock
       LEFT JOIN LATERAL (SELECT l.ctid AS version FROM leases l
@@ -344,6 +345,11 @@ WITH clock AS (
        -- rechecked on the row as written: PostgreSQL 15 does not recheck a
        -- ctid when a concurrent change makes it re-read the row
        AND e.status = 'running' AND e.claim_gen = mine.gen
+), forgot AS (  -- a successful run's durable steps go with it (store/steps.py, FORGET)
+    DELETE FROM steps s USING verdict
+     WHERE verdict.ok AND verdict.forget AND verdict.error IS NULL
+       AND s.user_id = verdict.user_id
+       AND s.event_ids && string_to_array(verdict.events, ',')::bigint[]
 ), queued AS (
     INSERT INTO outbox (user_id, body, urgent, created)
     SELECT verdict.user_id, m.body, m.urgent, clock.now
@@ -395,16 +401,21 @@ class Finish:
     ids: list[int]
     messages: list[tuple[str, bool]]
     error: str | None
+    # Delete the durable steps of event sets that share an event with this run
+    # if it succeeds; False only where none can exist (a first attempt that
+    # recorded none).
+    forget_steps: bool = True
 
 
 def send_finish(conn, finishes: list[Finish], now: int | None, *, release: bool = False):
     """Send FINISH without reading the verdicts (pipeline mode): read_verdicts."""
-    params = {"users": [], "holders": [], "gens": [], "counts": [], "errors": [],
-              "event_runs": [], "event_users": [], "event_gens": [], "event_ids": [],
+    params = {"users": [], "holders": [], "gens": [], "counts": [], "errors": [], "forgets": [],
+              "keys": [], "event_runs": [], "event_users": [], "event_gens": [], "event_ids": [],
               "message_runs": [], "bodies": [], "urgent": [], "now": now, "release": release}
     for n, f in enumerate(finishes, 1):
         for key, value in (("users", f.user), ("holders", f.holder), ("gens", f.gen),
-                           ("counts", len(f.ids)), ("errors", f.error)):
+                           ("counts", len(f.ids)), ("errors", f.error),
+                           ("forgets", f.forget_steps), ("keys", steps.events_key(f.ids))):
             params[key].append(value)
         params["event_runs"] += [n] * len(f.ids)
         params["event_users"] += [f.user] * len(f.ids)

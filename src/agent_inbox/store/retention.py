@@ -37,6 +37,17 @@ UPDATE events e SET payload = '{{"pruned": true}}'::jsonb
 """
 
 
+# Durable steps older than the retention age: those of runs that never
+# finished successfully (their events died, or were left dead), which no finish
+# deletes (store/steps.py). A run in flight records its steps within its run
+# timeout, far inside any retention age.
+DELETE_OLD_STEPS = f"""
+WITH clock AS (SELECT {NOW} AS now)
+DELETE FROM steps s USING clock
+ WHERE s.user_id = ANY(%(users)s::text[]) AND s.recorded_at < clock.now - %(older_than)s
+"""
+
+
 def users_after(conn, after: str, limit: int) -> list[str]:
     return [r[0] for r in conn.execute(USERS_AFTER, {"after": after, "limit": limit}).fetchall()]
 
@@ -51,4 +62,5 @@ def prune_users(conn, users: list[str], *, older_than: int, window: int, statuse
                   "window": window, "now": now}
         deleted += conn.execute(DELETE_OLD, params).rowcount
         compacted += conn.execute(COMPACT, params).rowcount
+        conn.execute(DELETE_OLD_STEPS, params)
     return deleted, compacted
