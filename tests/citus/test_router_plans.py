@@ -11,7 +11,7 @@ import pytest
 
 from agent_inbox import citus
 from agent_inbox.records import ClaimPolicy
-from agent_inbox.store import bucketed, inbox, lease, outbox, timers
+from agent_inbox.store import bucketed, inbox, lease, outbox, steps, timers
 
 POLICY = ClaimPolicy(max_attempts=3, backoff_base=5, backoff_cap=300, max_batch=100).params()
 ALICE = {"bucket": citus.bucket("alice"), "user": "alice", "now": None}
@@ -65,6 +65,12 @@ STATEMENTS = {
         "permanent": [False], "jitters": [0.7], "max_attempts": 3, "backoff_base": 5,
         "backoff_cap": 300, "now": None}),
     "events view": (inbox.LIST, {"user": "alice", "status": None}),
+    "steps: the fence": (bucketed.STEP_FENCE, {**RUN}),
+    "steps: a record": (bucketed.STEP_INSERT, {**RUN, "event_ids": [1], "position": 1,
+                                               "name": "n", "occurrence": 1, "result": "1"}),
+    "steps: read": (steps.RECORDED, {"users": ["alice"], "events": ["1"]}),
+    "steps: forget": (steps.FORGET, {**RUN}),
+    "steps view": (steps.LIST, {"user": "alice"}),
 }
 
 # Statements Citus runs in steps (an INSERT ... SELECT from parameters),

@@ -1,0 +1,41 @@
+"""Durable steps through PgBouncer in transaction mode: tests/test_steps.py's
+functions with every Inbox behind it (no statement prepared on a server
+connection), and a worker process behind it whose runtime is SIGKILLed after
+step 3 resuming at step 4."""
+
+import os
+import subprocess
+import sys
+
+from tests.runtime.step_handlers import STEPS
+from tests.runtime.support import ROOT, scalar, stop_all, wait_until
+from tests.test_steps import (  # noqa: F401 -- collected here, under this folder's fixtures
+    test_a_retry_of_the_same_events_replays_its_recorded_steps,
+    test_a_retry_that_claims_other_events_starts_without_steps,
+    test_a_stale_generations_step_is_refused_and_stores_nothing,
+    test_a_step_racing_a_takeover_waits_for_it_and_is_refused,
+    test_an_error_keeps_the_steps_and_the_retry_resumes,
+    test_async_steps_replay_in_call_order,
+    test_steps_asked_in_another_order_get_a_clear_error,
+)
+
+
+def test_a_killed_runtime_behind_pgbouncer_resumes_at_step_4(bounced_url, database_url, inbox,
+                                                             tmp_path):
+    calls = tmp_path / "calls"
+    inbox.ingest("alice", "chat", "m1", {"log": str(calls), "after_3": "kill"})
+    with open(tmp_path / "worker.log", "w") as log:
+        worker = subprocess.Popen(
+            [sys.executable, "-m", "agent_inbox.cli", "worker", "--database-url", bounced_url,
+             "--pooler", "transaction", "--handler", "tests.runtime.step_handlers:five_steps",
+             "--concurrency", "4", "--retry-backoff", "0", "--poll-interval", "0.2"],
+            cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env={**os.environ})
+        try:
+            wait_until(lambda: scalar(database_url, "SELECT count(*) FROM events"
+                                                    " WHERE status = 'done'") == 1,
+                       "the event to be done", timeout=90)
+        finally:
+            stop_all([worker])
+    assert calls.read_text().split() == list(STEPS)
+    assert scalar(database_url, "SELECT attempts FROM events") == 2
+    assert scalar(database_url, "SELECT count(*) FROM steps") == 0
