@@ -7,7 +7,7 @@ when scraped, by a cross-user query that runs only then.
 
 import logging
 
-from prometheus_client import REGISTRY, Counter, Histogram, start_http_server
+from prometheus_client import REGISTRY, Counter, Gauge, Histogram, start_http_server
 from prometheus_client.core import GaugeMetricFamily
 
 from agent_inbox import db, errors
@@ -28,6 +28,9 @@ QUARANTINED = Counter("agent_inbox_runs_quarantined_total",
 DEAD = Counter("agent_inbox_events_dead_total", "Events parked dead (out of attempts)")
 RUN_SECONDS = Histogram("agent_inbox_run_seconds", "Handler run time",
                         buckets=(0.01, 0.05, 0.1, 0.5, 1, 2, 5, 10, 30, 60, 120, 300, 900))
+RSS = Gauge("agent_inbox_worker_rss_bytes", "The worker runtime's resident memory (--max-memory)")
+RECYCLES = Counter("agent_inbox_worker_recycles_total",
+                   "Worker runtimes replaced past --max-memory (by this worker's supervisor)")
 TIMERS_FIRED = Counter("agent_inbox_timers_fired_total", "Timers fired")
 OCCURRENCES_SKIPPED = Counter("agent_inbox_timer_occurrences_skipped_total",
                               "Timer occurrences coalesced or over the catch-up limit")

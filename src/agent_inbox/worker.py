@@ -112,7 +112,8 @@ class Ending:
 class Worker:
     def __init__(self, inbox: Inbox, handler_reference: str, *, concurrency: int = 1,
                  poll_interval: float = 1.0, grace: float = 30.0, run_timeout: float = 900.0,
-                 quarantine: int = 2, holder: str | None = None, stop: Stop | None = None):
+                 quarantine: int = 2, holder: str | None = None, stop: Stop | None = None,
+                 max_memory: int | None = None):
         self.inbox = inbox
         self.handler = handler.load(handler_reference)
         self.concurrency = validate.positive_int("concurrency", concurrency)
@@ -141,6 +142,13 @@ class Worker:
         self._executor = (self.loop if handler.is_async(self.handler)
                           else executors.Threads(self.loop))
         self.quarantine = executors.Quarantine(handler_reference, quarantine)
+        # --max-memory (MiB): past it, the runtime stops taking work, lets its
+        # runs end and exits to be replaced (recycled).
+        self.max_memory = (None if max_memory is None
+                           else validate.positive_int("max_memory", max_memory))
+        self.recycled = False  # it stopped to be recycled, not on a signal
+        self._ran = False  # a run began in this runtime (a fresh one would be smaller)
+        self._memory_warned = False
 
     # --- the producer ------------------------------------------------------------------
 
@@ -190,6 +198,8 @@ class Worker:
                 while self._executing >= self.concurrency and not self.stop.is_set():
                     self._guard.wait()
             if self.stop.is_set():
+                return
+            if self.check_memory():  # past --max-memory: no more takes
                 return
             began = time.monotonic()
             try:
@@ -257,6 +267,7 @@ class Worker:
                 return False
             flight.state = "running"
             flight.deadline = time.monotonic() + self.run_timeout
+            self._ran = True
             return True
 
     def _ended(self, flight: InFlight, outcome, seconds: float) -> None:
@@ -563,11 +574,38 @@ class Worker:
         while not done.wait(watch_every):
             try:
                 self.time_out()
+                self.check_memory()
                 if time.monotonic() >= next_renewal:
                     next_renewal = time.monotonic() + renew_every
                     self.renew()
             except Exception:
                 log.exception("keeper: unexpected error; going on")
+
+    def check_memory(self) -> bool:
+        """Past --max-memory, stop taking work to be recycled: the runs in
+        flight end within the grace (serve's shutdown), then the runtime exits
+        with supervisor.EXIT_RECYCLE and the supervisor starts a fresh one. Not
+        before a run began here: a fresh runtime would be no smaller. True when
+        it stops."""
+        rss = rss_mib()
+        metrics.RSS.set(rss * 2**20)
+        if self.max_memory is None or self.recycled or rss <= self.max_memory:
+            return False
+        if not self._ran:
+            if not self._memory_warned:
+                self._memory_warned = True
+                log.warning("memory: the runtime's RSS is %.0f MiB before any run, past "
+                            "--max-memory %d MiB: not recycled (a fresh one would be no smaller)",
+                            rss, self.max_memory)
+            return False
+        self.recycled = True
+        with self._guard:
+            going = sum(1 for f in self._flights.values() if f.state in ("taken", "running"))
+        log.warning("memory: the runtime's RSS is %.0f MiB, past --max-memory %d MiB: recycling "
+                    "it: no more takes, runs in flight: %d (given --grace %g s to end), then a "
+                    "fresh runtime starts", rss, self.max_memory, going, self.grace)
+        self.stop.event.set()
+        return True
 
     # --- in step, for tests ------------------------------------------------------------------
 
@@ -661,6 +699,19 @@ class Worker:
         """Stop the quarantine processes and the event loop."""
         self.quarantine.close()
         self.loop.close()
+
+
+def rss_mib() -> float:
+    """This process's resident set size in MiB (Linux: now; elsewhere: its peak)."""
+    try:
+        with open("/proc/self/statm") as statm:
+            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+    except (OSError, ValueError, IndexError):
+        import resource
+        import sys
+
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB; bytes on macOS
+        return peak / (2**20 if sys.platform == "darwin" else 2**10)
 
 
 def _positive_seconds(name: str, value) -> float:

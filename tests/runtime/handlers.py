@@ -187,3 +187,18 @@ def exits_cleanly(batch, ctx):
 def exits_2(batch, ctx):
     """A poison event that ends its process with exit code 2, the code of bad input."""
     os._exit(2)
+
+
+_LEAKED = []
+
+
+def leak(batch, ctx):
+    """Keeps payload["leak_mib"] MiB per run for the life of its process (pages
+    touched, so they count in its RSS), and marks each event it handles with a
+    file in payload["dir"] named <event id>.<pid>.<gen>: executions counted
+    outside the process."""
+    time.sleep(0.05)
+    _LEAKED.append(b"\x01" * (batch[0].payload["leak_mib"] * 2**20))
+    for event in batch:
+        open(os.path.join(event.payload["dir"], f"{event.id}.{os.getpid()}.{ctx.gen}"), "w").close()
+    return Result(messages=[f"{ctx.user}:{len(batch)}"])
