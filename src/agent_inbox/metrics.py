@@ -31,6 +31,9 @@ RUN_SECONDS = Histogram("agent_inbox_run_seconds", "Handler run time",
 RSS = Gauge("agent_inbox_worker_rss_bytes", "The worker runtime's resident memory (--max-memory)")
 RECYCLES = Counter("agent_inbox_worker_recycles_total",
                    "Worker runtimes replaced past --max-memory (by this worker's supervisor)")
+LOOP_BLOCKED = Counter("agent_inbox_loop_blocked_total",
+                       "Times one task or callback held the worker's event loop for 1 s or more "
+                       "(an async handler blocking it: time.sleep, a blocking client)")
 TIMERS_FIRED = Counter("agent_inbox_timers_fired_total", "Timers fired")
 OCCURRENCES_SKIPPED = Counter("agent_inbox_timer_occurrences_skipped_total",
                               "Timer occurrences coalesced or over the catch-up limit")

@@ -43,6 +43,10 @@ EXIT_REFUSED = 78
 # exits with this code (sysexits' EX_TEMPFAIL): another starts at once, with no
 # pause, and releases whatever lease it left as usual (normally none).
 EXIT_RECYCLE = 75
+# A runtime whose event loop an async run blocked past --run-timeout exits with
+# this code (sysexits' EX_SOFTWARE): a crash, as any other (the run cannot be
+# cancelled while it holds the loop).
+EXIT_LOOP_BLOCKED = 70
 # Recycles so far, for the next runtime's agent_inbox_worker_recycles_total.
 RECYCLES_ENV = "_AGENT_INBOX_WORKER_RECYCLES"
 
@@ -58,6 +62,8 @@ def _die_with_parent() -> None:
 def _fate(code: int) -> str:
     if code < 0:
         return f"was killed by {signal.Signals(-code).name}"
+    if code == EXIT_LOOP_BLOCKED:
+        return "exited: an async run blocked its event loop past --run-timeout"
     return f"exited with code {code}"
 
 

@@ -37,10 +37,11 @@ import secrets
 import socket
 import threading
 import time
+import weakref
 from dataclasses import dataclass
 from typing import Callable
 
-from agent_inbox import db, errors, executors, handler, metrics, validate
+from agent_inbox import db, errors, executors, handler, metrics, supervisor, validate
 from agent_inbox.handler import Context, Crashed
 from agent_inbox.inbox import Inbox
 from agent_inbox.result import Result
@@ -149,6 +150,11 @@ class Worker:
         self.recycled = False  # it stopped to be recycled, not on a signal
         self._ran = False  # a run began in this runtime (a fresh one would be smaller)
         self._memory_warned = False
+        # Runs whose blocking of the event loop was logged (once per run), and
+        # what the runtime does when one blocks it past its timeout: exit, as if
+        # that run had crashed (replaceable in tests).
+        self._blockers: weakref.WeakSet[InFlight] = weakref.WeakSet()
+        self.exit: Callable[[int], None] = os._exit
 
     # --- the producer ------------------------------------------------------------------
 
@@ -560,6 +566,8 @@ class Worker:
             going = [f for f in self._flights.values() if f.state in ("taken", "running")]
         for flight in going:
             if flight.state == "running" and flight.deadline < now:
+                if self._held_up(flight):
+                    continue
                 if self.stop_run(flight, "timed out"):
                     log.warning("run timed out after %g s %s", self.run_timeout, flight.label)
                     metrics.RUNS_TIMED_OUT.inc()
@@ -607,6 +615,38 @@ class Worker:
         self.stop.event.set()
         return True
 
+    # --- the event loop's watchdog ------------------------------------------------------
+
+    def _held_up(self, flight: InFlight) -> bool:
+        """Whether a run's handler waits on an event loop another run blocks:
+        not timed out meanwhile (the watchdog deals with the one that blocks)."""
+        return (self._executor is self.loop and self.loop.blocked_since is not None
+                and not flight.run.unfinished)
+
+    def loop_blocked(self, flight: InFlight | None, seconds: float, stack: str,
+                     first: bool) -> None:
+        """From the loop's watchdog, at every look while one run's task (or a
+        callback outside any run, `flight` None) holds the loop: counted once
+        per block, logged once per run with its stack; past the run's timeout
+        (or --run-timeout, for no known run) the runtime exits, as if that run
+        had crashed: a blocked task cannot be cancelled."""
+        if first:
+            metrics.LOOP_BLOCKED.inc()
+        label = flight.label if flight is not None else "no known run (a callback on the loop)"
+        if (flight is None and first) or (flight is not None and flight not in self._blockers):
+            if flight is not None:
+                self._blockers.add(flight)
+            log.warning("event loop blocked for %.1f s by %s: every async run waits meanwhile "
+                        "(time.sleep or a blocking client in an async handler? use "
+                        "asyncio.to_thread); the loop's stack:\n%s", seconds, label,
+                        stack.rstrip())
+        if (time.monotonic() > flight.deadline if flight is not None
+                else seconds > self.run_timeout):
+            log.error("event loop blocked for %.1f s by %s, past --run-timeout %g s: the runtime "
+                      "exits (code %d) as if that run had crashed; its supervisor starts another",
+                      seconds, label, self.run_timeout, supervisor.EXIT_LOOP_BLOCKED)
+            self.exit(supervisor.EXIT_LOOP_BLOCKED)
+
     # --- in step, for tests ------------------------------------------------------------------
 
     def run_once(self, *, now: int | None = None, timeout: float = 60.0) -> dict[str, int]:
@@ -643,6 +683,7 @@ class Worker:
         producer = threading.Thread(target=self._produce, name="agent-inbox-producer", daemon=True)
         for thread in parts + [producer]:
             thread.start()
+        self.loop.watch(self.loop_blocked)
         log.info("worker started: holder %s, concurrency %d, %s handler", self.holder,
                  self.concurrency, "async" if self._executor is self.loop else "plain")
         self.stop.event.wait()

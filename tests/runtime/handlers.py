@@ -202,3 +202,17 @@ def leak(batch, ctx):
     for event in batch:
         open(os.path.join(event.payload["dir"], f"{event.id}.{os.getpid()}.{ctx.gen}"), "w").close()
     return Result(messages=[f"{ctx.user}:{len(batch)}"])
+
+
+async def block_the_loop(batch, ctx):
+    """On its first attempt, holds the event loop payload["block"] seconds
+    (time.sleep in an async handler); then awaits payload["wait"] seconds."""
+    payload = batch[0].payload
+    if payload.get("block") and batch[0].attempts == 1:
+        sleep_holding_the_loop(payload["block"])
+    await asyncio.sleep(payload.get("wait", 0))
+    return Result(messages=[f"{ctx.user}:{batch[0].attempts}"])
+
+
+def sleep_holding_the_loop(seconds):
+    time.sleep(seconds)
