@@ -150,7 +150,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
 def run_worker_runtime(args: argparse.Namespace, holder: str) -> int:
     """The worker runtime, in the supervisor's child (see supervisor.py)."""
-    from agent_inbox import supervisor
+    from agent_inbox import metrics, supervisor
     from agent_inbox.service import Stop
     from agent_inbox.worker import POOL_SIZE, Worker
 
@@ -165,12 +165,27 @@ def run_worker_runtime(args: argparse.Namespace, holder: str) -> int:
         # Checked by the first runtime only: a later one starts after a crash,
         # maybe while the server restarts, and must not end the worker for that.
         listen = listen_url(args, check=predecessor is None)
-        Worker(inbox, args.handler, concurrency=args.concurrency,
-               poll_interval=args.poll_interval, grace=args.grace, run_timeout=args.run_timeout,
-               quarantine=args.quarantine, holder=holder, stop=stop).serve(
-            listen, predecessor=predecessor,
-            predecessor_fate=os.environ.get(supervisor.FATE_ENV, "died"))
-    return 0
+        worker = Worker(inbox, args.handler, concurrency=args.concurrency,
+                        poll_interval=args.poll_interval, grace=args.grace,
+                        run_timeout=args.run_timeout, quarantine=args.quarantine, holder=holder,
+                        stop=stop, max_memory=args.max_memory)
+        if predecessor is None:
+            require_memory_room(worker)
+        metrics.RECYCLES.inc(int(os.environ.get(supervisor.RECYCLES_ENV, "0")))
+        worker.serve(listen, predecessor=predecessor,
+                     predecessor_fate=os.environ.get(supervisor.FATE_ENV, "died"))
+    return supervisor.EXIT_RECYCLE if worker.recycled and not stop.signalled else 0
+
+
+def require_memory_room(worker) -> None:
+    """--max-memory must leave room above what the runtime holds at start
+    (its handler imported): else every runtime would be recycled at once."""
+    from agent_inbox.worker import rss_mib
+
+    rss = rss_mib()
+    if worker.max_memory is not None and rss >= worker.max_memory:
+        raise errors.InvalidInput("--max-memory", worker.max_memory,
+                                  f"must be above the runtime's memory at start ({rss:.0f} MiB)")
 
 
 REMOVED_WORKER_FLAGS = (
@@ -272,6 +287,11 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("--quarantine", type=int, default=env_default("quarantine", 2),
                         help="processes that run, each alone, the runs whose last attempt ended "
                              "without a finish (default 2)")
+    worker.add_argument("--max-memory", type=int, default=env_default("max-memory"),
+                        metavar="MiB",
+                        help="recycle the runtime when its resident memory passes this many MiB: "
+                             "it stops taking work, its runs end within --grace, and a fresh one "
+                             "starts (default: off)")
     worker.add_argument("--isolation", default=None, help=argparse.SUPPRESS)
     worker.add_argument("--max-users-per-take", default=None, help=argparse.SUPPRESS)
     worker.set_defaults(run=cmd_worker)

@@ -19,15 +19,33 @@ None when the run was stopped.
 """
 
 import asyncio
+import contextvars
+import logging
+import os
 import queue
+import sys
 import threading
 import time
+import traceback
 from typing import Callable
 
 from agent_inbox import handler
 
 Begin = Callable[[object], bool]
 Ended = Callable[[object, object, float], None]
+# (flight or None, seconds, stack, first): see EventLoop.watch.
+Blocked = Callable[[object, float, str, bool], None]
+
+log = logging.getLogger("agent_inbox.worker")
+
+# The run a task on the loop works for: set in the context of each run's task,
+# and so inherited by every task its handler starts (EventLoop maps tasks to it).
+RUN: contextvars.ContextVar = contextvars.ContextVar("agent_inbox_run", default=None)
+# The loop is blocked when a heartbeat posted to it is not answered for this
+# long while one task (or one callback outside any task) held it at every look;
+# the watchdog looks every LOOP_WATCH_EVERY seconds.
+BLOCKED_AFTER = 1.0
+LOOP_WATCH_EVERY = 0.2
 
 
 class EventLoop:
@@ -35,6 +53,11 @@ class EventLoop:
 
     def __init__(self):
         self.loop = asyncio.new_event_loop()
+        self._owners: dict[asyncio.Task, object] = {}  # task -> the flight it works for
+        self.loop.set_task_factory(self._new_task)
+        self.blocked_since: float | None = None  # set by the watchdog while the loop is blocked
+        self._closed = threading.Event()
+        self._answered = True
         self._thread = threading.Thread(target=self.loop.run_forever, name="agent-inbox-loop",
                                         daemon=True)
         self._thread.start()
@@ -45,7 +68,10 @@ class EventLoop:
             if not begin(flight):
                 return
             started = time.monotonic()
-            task = self.loop.create_task(handler.call_async(target, flight.run.events, flight.ctx))
+            context = contextvars.copy_context()
+            context.run(RUN.set, flight)
+            task = self.loop.create_task(handler.call_async(target, flight.run.events, flight.ctx),
+                                         context=context)
             task.add_done_callback(lambda done: ended(
                 flight, None if done.cancelled() else done.result(), time.monotonic() - started))
             flight.cancel = lambda: self.loop.call_soon_threadsafe(task.cancel)
@@ -54,12 +80,76 @@ class EventLoop:
 
         self.loop.call_soon_threadsafe(start_task)
 
+    def _new_task(self, loop, coro, **options):
+        """Every task of the loop: remember the run it works for (RUN in its context)."""
+        task = asyncio.Task(coro, loop=loop, **options)
+        context = options.get("context")
+        flight = RUN.get() if context is None else context.get(RUN)
+        if flight is not None:
+            self._owners[task] = flight
+            task.add_done_callback(self._owners.pop)
+        return task
+
+    def watch(self, blocked: Blocked) -> None:
+        """Watch the loop from a thread of its own: while it is blocked (see
+        BLOCKED_AFTER), call `blocked(flight, seconds, stack, first)` at every
+        look: the run whose task holds it (None: none known), for how long, the
+        loop thread's stack, and whether this block is new."""
+        threading.Thread(target=self._watch, args=(blocked,), name="agent-inbox-loop-watch",
+                         daemon=True).start()
+
+    def _answer(self) -> None:
+        self._answered = True
+
+    def _watch(self, blocked: Blocked) -> None:
+        posted = time.monotonic()  # when the heartbeat not yet answered was posted
+        holder, since = None, posted  # the task (or None) the loop ran at every look since `since`
+        reported = None  # the holder of the block last reported
+        while not self._closed.wait(LOOP_WATCH_EVERY):
+            now = time.monotonic()
+            if self._answered:
+                self.blocked_since, reported = None, None
+                self._answered, posted = False, now
+                try:
+                    self.loop.call_soon_threadsafe(self._answer)
+                except RuntimeError:  # the loop is closed
+                    return
+            task = asyncio.current_task(self.loop)
+            if task is not holder:
+                holder, since = task, now
+            began = max(since, posted)  # at the latest (the loop answered the beat before)
+            if now - began < BLOCKED_AFTER:
+                continue
+            self.blocked_since = began
+            stack = self._stack()
+            key = self if holder is None else holder  # self: a callback outside any task
+            first, reported = reported is not key, key
+            try:
+                blocked(self._owners.get(holder) if holder is not None else None,
+                        now - began, stack, first)
+            except Exception:  # never lose the watchdog
+                log.exception("the event loop's watchdog failed; going on")
+
+    def _stack(self) -> str:
+        """The loop thread's stack, from the first frame that is not the loop's
+        own machinery (threading, asyncio)."""
+        frame = sys._current_frames().get(self._thread.ident)
+        if frame is None:
+            return ""
+        frames = traceback.extract_stack(frame)
+        machinery = tuple(os.path.dirname(module.__file__) + os.sep for module in (asyncio,)) + (
+            threading.__file__,)
+        while len(frames) > 1 and frames[0].filename.startswith(machinery):
+            del frames[0]
+        return "".join(traceback.format_list(frames))
+
     def wait_for(self, awaitable):
         """Await on the loop from another thread (a plain handler that returned
         an awaitable)."""
         return asyncio.run_coroutine_threadsafe(handler.awaited(awaitable), self.loop).result()
 
     def close(self) -> None:
+        self._closed.set()
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(timeout=5)
 
@@ -74,6 +164,7 @@ class Threads:
         def body():
             if not begin(flight):
                 return
+            RUN.set(flight)  # the loop's tasks it awaits through wait_for work for it
             started = time.monotonic()
             result = handler.call(target, flight.run.events, flight.ctx, self._loop.wait_for)
             ended(flight, result, time.monotonic() - started)

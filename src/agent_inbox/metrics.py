@@ -7,7 +7,7 @@ when scraped, by a cross-user query that runs only then.
 
 import logging
 
-from prometheus_client import REGISTRY, Counter, Histogram, start_http_server
+from prometheus_client import REGISTRY, Counter, Gauge, Histogram, start_http_server
 from prometheus_client.core import GaugeMetricFamily
 
 from agent_inbox import db, errors
@@ -34,6 +34,12 @@ STEPS = Counter("agent_inbox_steps_total",
 STEP_COMMIT_SECONDS = Histogram(
     "agent_inbox_step_commit_seconds", "From a step's result to its record committed",
     buckets=(0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0))
+RSS = Gauge("agent_inbox_worker_rss_bytes", "The worker runtime's resident memory (--max-memory)")
+RECYCLES = Counter("agent_inbox_worker_recycles_total",
+                   "Worker runtimes replaced past --max-memory (by this worker's supervisor)")
+LOOP_BLOCKED = Counter("agent_inbox_loop_blocked_total",
+                       "Times one task or callback held the worker's event loop for 1 s or more "
+                       "(an async handler blocking it: time.sleep, a blocking client)")
 TIMERS_FIRED = Counter("agent_inbox_timers_fired_total", "Timers fired")
 OCCURRENCES_SKIPPED = Counter("agent_inbox_timer_occurrences_skipped_total",
                               "Timer occurrences coalesced or over the catch-up limit")

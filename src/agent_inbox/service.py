@@ -44,6 +44,9 @@ class Stop:
 
     def __init__(self):
         self.event = threading.Event()
+        # A signal came (the event may also be set without one: a worker
+        # runtime recycled past --max-memory); the next one exits at once.
+        self.signalled = False
 
     def install(self, *, only_from: int | None = None) -> "Stop":
         """Take SIGTERM and SIGINT. With `only_from` (a pid: the worker
@@ -71,9 +74,10 @@ class Stop:
             self._on_signal(info.si_signo, None)
 
     def _on_signal(self, signum, frame) -> None:
-        if self.event.is_set():
+        if self.signalled:
             os.write(2, f"second {signal.Signals(signum).name}: exiting at once\n".encode())
             os._exit(128 + signum)
+        self.signalled = True
         self.event.set()  # before logging: a second signal may interrupt the log call
         log.info("%s: stopping", signal.Signals(signum).name)
 

@@ -39,6 +39,16 @@ MAX_PAUSE = 5.0
 # and the supervisor exits 2, as every command does for bad input. Any other
 # code, 2 included (a handler may call os._exit(2)), starts another runtime.
 EXIT_REFUSED = 78
+# A runtime past --max-memory that stopped taking work and let its runs end
+# exits with this code (sysexits' EX_TEMPFAIL): another starts at once, with no
+# pause, and releases whatever lease it left as usual (normally none).
+EXIT_RECYCLE = 75
+# A runtime whose event loop an async run blocked past --run-timeout exits with
+# this code (sysexits' EX_SOFTWARE): a crash, as any other (the run cannot be
+# cancelled while it holds the loop).
+EXIT_LOOP_BLOCKED = 70
+# Recycles so far, for the next runtime's agent_inbox_worker_recycles_total.
+RECYCLES_ENV = "_AGENT_INBOX_WORKER_RECYCLES"
 
 
 def _die_with_parent() -> None:
@@ -52,6 +62,8 @@ def _die_with_parent() -> None:
 def _fate(code: int) -> str:
     if code < 0:
         return f"was killed by {signal.Signals(-code).name}"
+    if code == EXIT_LOOP_BLOCKED:
+        return "exited: an async run blocked its event loop past --run-timeout"
     return f"exited with code {code}"
 
 
@@ -71,10 +83,11 @@ def supervise(argv: list[str]) -> int:
         signal.signal(signum, forward)
     tag = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(3)}"
     predecessor, fate, pause, incarnation = None, "", 0.5, 0
+    recycles = 0
     while True:
         incarnation += 1
         holder = f"{tag}:{incarnation}"
-        env = {**os.environ, HOLDER_ENV: holder}
+        env = {**os.environ, HOLDER_ENV: holder, RECYCLES_ENV: str(recycles)}
         if predecessor:
             env.update({PREDECESSOR_ENV: predecessor, FATE_ENV: fate})
         born = time.monotonic()
@@ -85,6 +98,15 @@ def supervise(argv: list[str]) -> int:
         code = child.wait()
         if code == EXIT_REFUSED:
             return 2
+        if code == EXIT_RECYCLE:  # past --max-memory, its runs ended: a fresh one at once
+            if signals:
+                return 0
+            recycles += 1
+            print(f"agent-inbox worker: the runtime (pid {child.pid}) was recycled past "
+                  f"--max-memory after {time.monotonic() - born:.1f} s; starting another",
+                  file=sys.stderr, flush=True)
+            predecessor, fate = holder, "was recycled past --max-memory"
+            continue
         if signals:  # a runtime exits 0 only when told to stop
             if code == -signals[-1]:
                 return 0  # stopped before it took its signals over: it had started no run

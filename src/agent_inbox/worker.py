@@ -39,10 +39,11 @@ import secrets
 import socket
 import threading
 import time
+import weakref
 from dataclasses import dataclass
 from typing import Callable
 
-from agent_inbox import db, errors, executors, handler, metrics, validate
+from agent_inbox import db, errors, executors, handler, metrics, supervisor, validate
 from agent_inbox.handler import Context, Crashed
 from agent_inbox.inbox import Inbox
 from agent_inbox.result import Result
@@ -152,7 +153,8 @@ class WorkerJournal:
 class Worker:
     def __init__(self, inbox: Inbox, handler_reference: str, *, concurrency: int = 1,
                  poll_interval: float = 1.0, grace: float = 30.0, run_timeout: float = 900.0,
-                 quarantine: int = 2, holder: str | None = None, stop: Stop | None = None):
+                 quarantine: int = 2, holder: str | None = None, stop: Stop | None = None,
+                 max_memory: int | None = None):
         self.inbox = inbox
         self.handler = handler.load(handler_reference)
         self.concurrency = validate.positive_int("concurrency", concurrency)
@@ -181,6 +183,18 @@ class Worker:
         self._executor = (self.loop if handler.is_async(self.handler)
                           else executors.Threads(self.loop))
         self.quarantine = executors.Quarantine(handler_reference, quarantine)
+        # --max-memory (MiB): past it, the runtime stops taking work, lets its
+        # runs end and exits to be replaced (recycled).
+        self.max_memory = (None if max_memory is None
+                           else validate.positive_int("max_memory", max_memory))
+        self.recycled = False  # it stopped to be recycled, not on a signal
+        self._ran = False  # a run began in this runtime (a fresh one would be smaller)
+        self._memory_warned = False
+        # Runs whose blocking of the event loop was logged (once per run), and
+        # what the runtime does when one blocks it past its timeout: exit, as if
+        # that run had crashed (replaceable in tests).
+        self._blockers: weakref.WeakSet[InFlight] = weakref.WeakSet()
+        self.exit: Callable[[int], None] = os._exit
 
     # --- the producer ------------------------------------------------------------------
 
@@ -238,6 +252,8 @@ class Worker:
                 while self._executing >= self.concurrency and not self.stop.is_set():
                     self._guard.wait()
             if self.stop.is_set():
+                return
+            if self.check_memory():  # past --max-memory: no more takes
                 return
             began = time.monotonic()
             try:
@@ -305,6 +321,7 @@ class Worker:
                 return False
             flight.state = "running"
             flight.deadline = time.monotonic() + self.run_timeout
+            self._ran = True
             return True
 
     def _ended(self, flight: InFlight, outcome, seconds: float) -> None:
@@ -652,6 +669,8 @@ class Worker:
             going = [f for f in self._flights.values() if f.state in ("taken", "running")]
         for flight in going:
             if flight.state == "running" and flight.deadline < now:
+                if self._held_up(flight):
+                    continue
                 if self.stop_run(flight, "timed out"):
                     log.warning("run timed out after %g s %s", self.run_timeout, flight.label)
                     metrics.RUNS_TIMED_OUT.inc()
@@ -666,11 +685,70 @@ class Worker:
         while not done.wait(watch_every):
             try:
                 self.time_out()
+                self.check_memory()
                 if time.monotonic() >= next_renewal:
                     next_renewal = time.monotonic() + renew_every
                     self.renew()
             except Exception:
                 log.exception("keeper: unexpected error; going on")
+
+    def check_memory(self) -> bool:
+        """Past --max-memory, stop taking work to be recycled: the runs in
+        flight end within the grace (serve's shutdown), then the runtime exits
+        with supervisor.EXIT_RECYCLE and the supervisor starts a fresh one. Not
+        before a run began here: a fresh runtime would be no smaller. True when
+        it stops."""
+        rss = rss_mib()
+        metrics.RSS.set(rss * 2**20)
+        if self.max_memory is None or self.recycled or rss <= self.max_memory:
+            return False
+        if not self._ran:
+            if not self._memory_warned:
+                self._memory_warned = True
+                log.warning("memory: the runtime's RSS is %.0f MiB before any run, past "
+                            "--max-memory %d MiB: not recycled (a fresh one would be no smaller)",
+                            rss, self.max_memory)
+            return False
+        self.recycled = True
+        with self._guard:
+            going = sum(1 for f in self._flights.values() if f.state in ("taken", "running"))
+        log.warning("memory: the runtime's RSS is %.0f MiB, past --max-memory %d MiB: recycling "
+                    "it: no more takes, runs in flight: %d (given --grace %g s to end), then a "
+                    "fresh runtime starts", rss, self.max_memory, going, self.grace)
+        self.stop.event.set()
+        return True
+
+    # --- the event loop's watchdog ------------------------------------------------------
+
+    def _held_up(self, flight: InFlight) -> bool:
+        """Whether a run's handler waits on an event loop another run blocks:
+        not timed out meanwhile (the watchdog deals with the one that blocks)."""
+        return (self._executor is self.loop and self.loop.blocked_since is not None
+                and not flight.run.unfinished)
+
+    def loop_blocked(self, flight: InFlight | None, seconds: float, stack: str,
+                     first: bool) -> None:
+        """From the loop's watchdog, at every look while one run's task (or a
+        callback outside any run, `flight` None) holds the loop: counted once
+        per block, logged once per run with its stack; past the run's timeout
+        (or --run-timeout, for no known run) the runtime exits, as if that run
+        had crashed: a blocked task cannot be cancelled."""
+        if first:
+            metrics.LOOP_BLOCKED.inc()
+        label = flight.label if flight is not None else "no known run (a callback on the loop)"
+        if (flight is None and first) or (flight is not None and flight not in self._blockers):
+            if flight is not None:
+                self._blockers.add(flight)
+            log.warning("event loop blocked for %.1f s by %s: every async run waits meanwhile "
+                        "(time.sleep or a blocking client in an async handler? use "
+                        "asyncio.to_thread); the loop's stack:\n%s", seconds, label,
+                        stack.rstrip())
+        if (time.monotonic() > flight.deadline if flight is not None
+                else seconds > self.run_timeout):
+            log.error("event loop blocked for %.1f s by %s, past --run-timeout %g s: the runtime "
+                      "exits (code %d) as if that run had crashed; its supervisor starts another",
+                      seconds, label, self.run_timeout, supervisor.EXIT_LOOP_BLOCKED)
+            self.exit(supervisor.EXIT_LOOP_BLOCKED)
 
     # --- in step, for tests ------------------------------------------------------------------
 
@@ -713,6 +791,7 @@ class Worker:
         producer = threading.Thread(target=self._produce, name="agent-inbox-producer", daemon=True)
         for thread in parts + [producer]:
             thread.start()
+        self.loop.watch(self.loop_blocked)
         log.info("worker started: holder %s, concurrency %d, %s handler", self.holder,
                  self.concurrency, "async" if self._executor is self.loop else "plain")
         self.stop.event.wait()
@@ -777,6 +856,19 @@ def _step_failure(exc: Exception) -> Exception:
     if isinstance(exc, errors.AgentInboxError):
         return exc
     return errors.DatabaseUnavailable(f"a durable step could not be read or recorded: {exc}")
+
+
+def rss_mib() -> float:
+    """This process's resident set size in MiB (Linux: now; elsewhere: its peak)."""
+    try:
+        with open("/proc/self/statm") as statm:
+            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+    except (OSError, ValueError, IndexError):
+        import resource
+        import sys
+
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB; bytes on macOS
+        return peak / (2**20 if sys.platform == "darwin" else 2**10)
 
 
 def _positive_seconds(name: str, value) -> float:

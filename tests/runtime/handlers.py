@@ -187,3 +187,32 @@ def exits_cleanly(batch, ctx):
 def exits_2(batch, ctx):
     """A poison event that ends its process with exit code 2, the code of bad input."""
     os._exit(2)
+
+
+_LEAKED = []
+
+
+def leak(batch, ctx):
+    """Keeps payload["leak_mib"] MiB per run for the life of its process (pages
+    touched, so they count in its RSS), and marks each event it handles with a
+    file in payload["dir"] named <event id>.<pid>.<gen>: executions counted
+    outside the process."""
+    time.sleep(0.05)
+    _LEAKED.append(b"\x01" * (batch[0].payload["leak_mib"] * 2**20))
+    for event in batch:
+        open(os.path.join(event.payload["dir"], f"{event.id}.{os.getpid()}.{ctx.gen}"), "w").close()
+    return Result(messages=[f"{ctx.user}:{len(batch)}"])
+
+
+async def block_the_loop(batch, ctx):
+    """On its first attempt, holds the event loop payload["block"] seconds
+    (time.sleep in an async handler); then awaits payload["wait"] seconds."""
+    payload = batch[0].payload
+    if payload.get("block") and batch[0].attempts == 1:
+        sleep_holding_the_loop(payload["block"])
+    await asyncio.sleep(payload.get("wait", 0))
+    return Result(messages=[f"{ctx.user}:{batch[0].attempts}"])
+
+
+def sleep_holding_the_loop(seconds):
+    time.sleep(seconds)
