@@ -23,7 +23,7 @@ import time
 
 from agent_inbox import cli, db, errors, tables
 from agent_inbox.records import EVENT_STATUSES
-from agent_inbox.store import admin, outbox
+from agent_inbox.store import admin, outbox, steps
 
 log = logging.getLogger(__name__)
 
@@ -288,6 +288,7 @@ def _lease_expiry(user: dict) -> str | None:
 def cmd_events(args: argparse.Namespace, name: str) -> int:
     with _opened(args, name) as inbox, db.connection(inbox.pool) as conn:
         events, total = admin.events(conn, args.user, args.status, args.limit)
+        recorded = steps.list_steps(conn, args.user, args.limit)
     rows = [[e["id"], e["source"], e["source_id"], e["kind"], e["status"], e["attempts"],
              e["error"], tables.when(e["created_at"])] for e in events]
     what = f"{args.status} events" if args.status else "events"
@@ -295,9 +296,18 @@ def cmd_events(args: argparse.Namespace, name: str) -> int:
                                  "created"], rows) if events else f"user {args.user!r} has no {what}")
     if len(events) < total:
         text += f"\n(showing the newest {len(events)} of {total} {what}: --limit)"
-    _emit(args, {"user": args.user, "status": args.status, "total": total, "events": events},
-          text)
+    if recorded:  # runs in flight, or that have not finished successfully yet
+        text += "\n\ndurable steps recorded:\n" + tables.format_table(
+            ["events", "step", "gen", "holder", "recorded", "result"],
+            [[",".join(map(str, s.event_ids)), s.label, s.gen, s.holder,
+              tables.when(s.recorded_at), json.dumps(s.result)] for s in recorded])
+    steps_out = [{"event_ids": list(s.event_ids), "position": s.position, "name": s.name,
+                  "occurrence": s.occurrence, "gen": s.gen, "holder": s.holder,
+                  "recorded_at": s.recorded_at, "result": s.result} for s in recorded]
+    _emit(args, {"user": args.user, "status": args.status, "total": total, "events": events,
+                 "steps": steps_out}, text)
     return 0
+
 
 
 @_command("dead-list")

@@ -70,7 +70,7 @@ STATEMENTS = {
                                                "name": "n", "occurrence": 1, "result": "1"}),
     "steps: read": (steps.RECORDED, {"users": ["alice"], "events": ["1"]}),
     "steps: forget": (steps.FORGET, {**RUN}),
-    "steps view": (steps.LIST, {"user": "alice"}),
+    "steps view": (steps.LIST, {"user": "alice", "limit": 10}),
 }
 
 # Statements Citus runs in steps (an INSERT ... SELECT from parameters),

@@ -35,7 +35,7 @@ from starlette.templating import Jinja2Templates
 from agent_inbox import db, errors, operator, tables
 from agent_inbox.console import auth, queries
 from agent_inbox.console.auth import Authenticator, Principal
-from agent_inbox.store import admin, outbox, stats
+from agent_inbox.store import admin, outbox, stats, steps
 
 log = logging.getLogger("agent_inbox.console")
 
@@ -227,12 +227,14 @@ class Console:
             messages = queries.messages(conn, user)
             timers, timers_total = admin.timers(conn, user, queries.PAGE, None)
             approvals = queries.user_approvals(conn, user)
+            recorded = steps.list_steps(conn, user, queries.PAGE)
         more = len(events) > queries.PAGE
         events = events[:queries.PAGE]
         return self.render(request, principal, "user.html", user=user, lease=lease,
                            events=events, older=events[-1]["id"] if more else None, runs=runs,
                            messages=messages, timers=timers, timers_total=timers_total,
-                           approvals=approvals, now=lease["now"] if lease else None)
+                           approvals=approvals, steps=recorded,
+                           now=lease["now"] if lease else None)
 
     # --- dead events -------------------------------------------------------------
 

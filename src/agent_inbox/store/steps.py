@@ -136,16 +136,17 @@ FORGET = """
 DELETE FROM steps s WHERE s.user_id = %(user)s AND s.event_ids && %(ids)s::bigint[]
 """
 
-# Operator view: one user's records, by event set and place.
+# Operator view: one user's records, by event set and place (the first `limit`).
 LIST = """
 SELECT s.position, s.name, s.occurrence, s.result, s.event_ids, s.holder, s.gen, s.recorded_at
   FROM steps s
  WHERE s.user_id = %(user)s
  ORDER BY s.event_ids, s.position
+ LIMIT %(limit)s
 """
 
 
-def list_steps(conn, user: str) -> list[RecordedStep]:
+def list_steps(conn, user: str, limit: int = 1000) -> list[RecordedStep]:
     return [RecordedStep(position, name, occurrence, result, tuple(ids), holder, gen, at)
             for position, name, occurrence, result, ids, holder, gen, at
-            in conn.execute(LIST, {"user": user}).fetchall()]
+            in conn.execute(LIST, {"user": user, "limit": limit}).fetchall()]
