@@ -15,7 +15,8 @@ _EXPORTS = {
     "agent_inbox.errors": [
         "AgentInboxError", "DatabaseRefused", "DatabaseUnavailable", "InvalidAnswer",
         "InvalidInput", "InvalidPayload", "InvalidTime", "InvalidTimer", "PartlyDone",
-        "PayloadTooLarge", "PermanentSendError", "SchemaNotAtHead", "TransactionConflict",
+        "PayloadTooLarge", "PermanentSendError", "SchemaNotAtHead", "StepMismatch", "StepRefused",
+        "TransactionConflict",
     ],
     "agent_inbox.handler": ["Context"],
     "agent_inbox.inbox": ["Inbox"],
@@ -44,7 +45,8 @@ if TYPE_CHECKING:
     from agent_inbox.errors import (AgentInboxError, DatabaseRefused, DatabaseUnavailable,
                                     InvalidAnswer, InvalidInput, InvalidPayload, InvalidTime,
                                     InvalidTimer, PartlyDone, PayloadTooLarge,
-                                    PermanentSendError, SchemaNotAtHead, TransactionConflict)
+                                    PermanentSendError, SchemaNotAtHead, StepMismatch,
+                                    StepRefused, TransactionConflict)
     from agent_inbox.handler import Context
     from agent_inbox.inbox import Inbox
     from agent_inbox.records import Event, Lease, OutboxMessage, Timer
