@@ -150,7 +150,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
 def run_worker_runtime(args: argparse.Namespace, holder: str) -> int:
     """The worker runtime, in the supervisor's child (see supervisor.py)."""
-    from agent_inbox import supervisor
+    from agent_inbox import blame, supervisor
     from agent_inbox.service import Stop
     from agent_inbox.worker import POOL_SIZE, Worker
 
@@ -167,9 +167,12 @@ def run_worker_runtime(args: argparse.Namespace, holder: str) -> int:
         listen = listen_url(args, check=predecessor is None)
         Worker(inbox, args.handler, concurrency=args.concurrency,
                poll_interval=args.poll_interval, grace=args.grace, run_timeout=args.run_timeout,
-               quarantine=args.quarantine, holder=holder, stop=stop).serve(
+               quarantine=args.quarantine, holder=holder, stop=stop,
+               slot=blame.Slot(int(os.environ[supervisor.SLOT_ENV]))
+               if os.environ.get(supervisor.SLOT_ENV) else None).serve(
             listen, predecessor=predecessor,
-            predecessor_fate=os.environ.get(supervisor.FATE_ENV, "died"))
+            predecessor_fate=os.environ.get(supervisor.FATE_ENV, "died"),
+            suspect=blame.parse(os.environ.get(supervisor.SUSPECT_ENV)))
     return 0
 
 

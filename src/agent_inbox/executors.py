@@ -3,7 +3,8 @@
 - `EventLoop`: `async def` handlers run as tasks on one event loop that lives as
   long as the worker, so an async client made at import or first use (an HTTP
   or LLM SDK client with its own connection pool) serves every run. A run is
-  stopped by cancelling its task.
+  stopped by cancelling its task. Given the supervisor's slot (blame.py), each
+  step of a run's tasks names that run in it, so that a crash is blamed on it.
 - `Threads`: plain `def` handlers, each run on a thread of its own. A thread
   cannot be stopped: a run abandoned while its handler still runs (timed out,
   lease lost) leaves the thread to end on its own, its result ignored.
@@ -24,7 +25,7 @@ import threading
 import time
 from typing import Callable
 
-from agent_inbox import handler
+from agent_inbox import blame, handler
 
 Begin = Callable[[object], bool]
 Ended = Callable[[object, object, float], None]
@@ -33,8 +34,11 @@ Ended = Callable[[object, object, float], None]
 class EventLoop:
     """One asyncio loop on a thread of its own."""
 
-    def __init__(self):
+    def __init__(self, slot: blame.Slot | None = None):
         self.loop = asyncio.new_event_loop()
+        self._slot = slot
+        if slot is not None:
+            blame.trace(self.loop, slot)
         self._thread = threading.Thread(target=self.loop.run_forever, name="agent-inbox-loop",
                                         daemon=True)
         self._thread.start()
@@ -45,7 +49,10 @@ class EventLoop:
             if not begin(flight):
                 return
             started = time.monotonic()
-            task = self.loop.create_task(handler.call_async(target, flight.run.events, flight.ctx))
+            run = flight.run
+            task = self.loop.create_task(
+                handler.call_async(target, run.events, flight.ctx),
+                context=blame.run_context(run.user, run.gen) if self._slot else None)
             task.add_done_callback(lambda done: ended(
                 flight, None if done.cancelled() else done.result(), time.monotonic() - started))
             flight.cancel = lambda: self.loop.call_soon_threadsafe(task.cancel)
