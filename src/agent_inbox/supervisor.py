@@ -4,7 +4,8 @@ runtime in a child and starts a new one whenever that child dies.
 The runtime runs a run's first attempt in its own process (no process per run),
 so an event that kills its process (a poison event) takes the runtime and the
 other runs in flight down with it. The supervisor starts a new runtime at once
-(after a pause that doubles while children keep dying young) and gives it the
+(after a pause that doubles while children keep dying young, unless the dead
+one named the run it was executing: see below) and gives it the
 dead one's holder id: the new runtime releases that holder's leases first, so
 the runs that died are retried after their backoff rather than after the lease
 TTL. It also tells it which run was executing when the child died, read from a
@@ -108,7 +109,9 @@ def supervise(argv: list[str]) -> int:
         fate = _fate(code)
         lived = time.monotonic() - born
         pause = 0.5 if lived > YOUNG else min(MAX_PAUSE, pause * 2)
-        wait = 0.0 if lived > YOUNG else pause
+        # A runtime that named the run it was executing got through its start
+        # and ran handlers; that run goes to quarantine: no pause is needed.
+        wait = 0.0 if lived > YOUNG or suspect else pause
         print(f"agent-inbox worker: the runtime (pid {child.pid}) {fate} after {lived:.1f} s"
               f"{' executing user=%s gen=%d' % blame.parse(suspect) if suspect else ''}; "
               f"starting another{f' in {wait:.0f} s' if wait else ''}", file=sys.stderr, flush=True)
