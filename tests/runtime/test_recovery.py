@@ -39,7 +39,10 @@ def test_the_slot_names_the_run_whose_task_is_stepping_and_only_then():
         idle = slot.read()  # the run awaits: no task steps
         flight.ctx.lease_lost.set()
         assert done.wait(10)
-        outside = asyncio.run_coroutine_threadsafe(asyncio.sleep(0, slot.read()), loop.loop)
+        async def no_run():
+            return slot.read()
+
+        outside = asyncio.run_coroutine_threadsafe(no_run(), loop.loop)
         assert outside.result(10) is None  # a task that is no run's
     finally:
         loop.close()
