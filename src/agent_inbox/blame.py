@@ -97,7 +97,8 @@ def run_context(user: str, gen: int) -> contextvars.Context:
 def trace(loop: asyncio.AbstractEventLoop, slot: Slot) -> None:
     """Make every task `loop` starts mark `slot` at each step of a run's task."""
     def factory(loop, coro, **options):
-        return asyncio.Task(_Traced(coro, slot), loop=loop, **options)
+        traced = _Traced(coro, slot) if asyncio.iscoroutine(coro) else coro  # else Task refuses it
+        return asyncio.Task(traced, loop=loop, **options)
 
     loop.set_task_factory(factory)
 
