@@ -5,13 +5,17 @@ its process, ingested while a wave of runs is in flight.
     .venv/bin/python -m bench.poison_cost [--users 600] [--concurrency 200] [--quarantine 8]
 
 Reports the runs re-executed (healthy events claimed twice: the runs in flight
-when the runtime died), how many ran in quarantine, the drain time, and the
-peak RSS of the worker's whole process tree (supervisor, runtime, quarantine
-processes). A database of its own, dropped at the end; the worker is stopped.
+when the runtime died), the most attempts a healthy event took, the drain time
+(every event done or dead, the poison included) and when the healthy events
+alone were done, and the peak RSS of the worker's whole process tree
+(supervisor, runtime, quarantine processes); also in
+bench/results/poison_cost.json. A database of its own, dropped at the end; the
+worker is stopped.
 """
 
 import argparse
 import asyncio
+import json
 import os
 import signal
 import subprocess
@@ -21,7 +25,7 @@ import time
 import psycopg
 
 from agent_inbox import Inbox, Result, migrate, pgserver
-from bench.common import ROOT, process_tree
+from bench.common import RESULTS, ROOT, process_tree
 
 SERVER = "postgresql://postgres@127.0.0.1:5432/postgres"
 
@@ -72,13 +76,20 @@ def main() -> None:
             began = time.monotonic()
             with Inbox.connect(url, pool_size=1) as inbox:
                 inbox.ingest("poison", "bench", "1", {"poison": True})
+            healthy_drained = None
             while count("SELECT count(*) FROM events WHERE status IN ('pending', 'running')"):
+                if healthy_drained is None and not count(
+                        "SELECT count(*) FROM events WHERE status IN ('pending', 'running') "
+                        "AND user_id <> 'poison'"):
+                    healthy_drained = time.monotonic() - began
                 peak = max(peak, tree_rss_mib(worker.pid))
                 if time.monotonic() > deadline:
                     raise SystemExit("not drained in time")
                 time.sleep(0.05)
             drained = time.monotonic() - began
+            healthy_drained = drained if healthy_drained is None else healthy_drained
             again = count("SELECT count(*) FROM events WHERE user_id <> 'poison' AND attempts > 1")
+            most = count("SELECT max(attempts) FROM events WHERE user_id <> 'poison'")
             poison = conn.execute("SELECT status, attempts FROM events WHERE user_id = 'poison'"
                                   ).fetchone()
             dead_healthy = count("SELECT count(*) FROM events WHERE user_id <> 'poison' "
@@ -89,8 +100,17 @@ def main() -> None:
         print(f"{args.users} users at concurrency {args.concurrency}, {args.quarantine} quarantine "
               f"processes, one poison event: "
               f"runtime restarts {restarts}, runs re-executed {again}, healthy dead {dead_healthy}, "
+              f"most attempts of a healthy event {most}, "
               f"poison {poison[0]} after {poison[1]} attempts, drained {drained:.1f} s after the "
-              f"poison arrived, peak RSS of the process tree {peak:.0f} MiB")
+              f"poison arrived (healthy events {healthy_drained:.1f} s), "
+              f"peak RSS of the process tree {peak:.0f} MiB")
+        result = {"users": args.users, "concurrency": args.concurrency,
+                  "quarantine": args.quarantine, "runtime_restarts": restarts,
+                  "runs_reexecuted": again, "healthy_dead": dead_healthy,
+                  "max_healthy_attempts": most, "poison_status": poison[0],
+                  "poison_attempts": poison[1], "drained_s": round(drained, 1),
+                  "healthy_drained_s": round(healthy_drained, 1), "peak_rss_mib": round(peak)}
+        (RESULTS / "poison_cost.json").write_text(json.dumps(result, indent=2) + "\n")
     finally:
         if worker is not None and worker.poll() is None:
             os.killpg(worker.pid, signal.SIGKILL)

@@ -150,7 +150,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
 def run_worker_runtime(args: argparse.Namespace, holder: str) -> int:
     """The worker runtime, in the supervisor's child (see supervisor.py)."""
-    from agent_inbox import metrics, supervisor
+    from agent_inbox import blame, metrics, supervisor
     from agent_inbox.service import Stop
     from agent_inbox.worker import POOL_SIZE, Worker
 
@@ -165,15 +165,18 @@ def run_worker_runtime(args: argparse.Namespace, holder: str) -> int:
         # Checked by the first runtime only: a later one starts after a crash,
         # maybe while the server restarts, and must not end the worker for that.
         listen = listen_url(args, check=predecessor is None)
+        slot = os.environ.get(supervisor.SLOT_ENV)
         worker = Worker(inbox, args.handler, concurrency=args.concurrency,
                         poll_interval=args.poll_interval, grace=args.grace,
                         run_timeout=args.run_timeout, quarantine=args.quarantine, holder=holder,
-                        stop=stop, max_memory=args.max_memory)
+                        stop=stop, max_memory=args.max_memory,
+                        slot=blame.Slot(int(slot)) if slot else None)
         if predecessor is None:
             require_memory_room(worker)
         metrics.RECYCLES.inc(int(os.environ.get(supervisor.RECYCLES_ENV, "0")))
         worker.serve(listen, predecessor=predecessor,
-                     predecessor_fate=os.environ.get(supervisor.FATE_ENV, "died"))
+                     predecessor_fate=os.environ.get(supervisor.FATE_ENV, "died"),
+                     suspect=blame.parse(os.environ.get(supervisor.SUSPECT_ENV)))
     return supervisor.EXIT_RECYCLE if worker.recycled and not stop.signalled else 0
 
 

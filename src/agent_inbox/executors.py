@@ -3,7 +3,8 @@
 - `EventLoop`: `async def` handlers run as tasks on one event loop that lives as
   long as the worker, so an async client made at import or first use (an HTTP
   or LLM SDK client with its own connection pool) serves every run. A run is
-  stopped by cancelling its task.
+  stopped by cancelling its task. Given the supervisor's slot (blame.py), each
+  step of a run's tasks names that run in it, so that a crash is blamed on it.
 - `Threads`: plain `def` handlers, each run on a thread of its own. A thread
   cannot be stopped: a run abandoned while its handler still runs (timed out,
   lease lost) leaves the thread to end on its own, its result ignored.
@@ -29,7 +30,7 @@ import time
 import traceback
 from typing import Callable
 
-from agent_inbox import handler
+from agent_inbox import blame, handler
 
 Begin = Callable[[object], bool]
 Ended = Callable[[object, object, float], None]
@@ -51,9 +52,10 @@ LOOP_WATCH_EVERY = 0.2
 class EventLoop:
     """One asyncio loop on a thread of its own."""
 
-    def __init__(self):
+    def __init__(self, slot: blame.Slot | None = None):
         self.loop = asyncio.new_event_loop()
         self._owners: dict[asyncio.Task, object] = {}  # task -> the flight it works for
+        self._slot = slot  # marked with the run stepping (blame.py), if the supervisor gave one
         self.loop.set_task_factory(self._new_task)
         self.blocked_since: float | None = None  # set by the watchdog while the loop is blocked
         self._closed = threading.Event()
@@ -70,6 +72,8 @@ class EventLoop:
             started = time.monotonic()
             context = contextvars.copy_context()
             context.run(RUN.set, flight)
+            if self._slot is not None:
+                blame.enter(context, flight.run.user, flight.run.gen)
             task = self.loop.create_task(handler.call_async(target, flight.run.events, flight.ctx),
                                          context=context)
             task.add_done_callback(lambda done: ended(
@@ -81,7 +85,10 @@ class EventLoop:
         self.loop.call_soon_threadsafe(start_task)
 
     def _new_task(self, loop, coro, **options):
-        """Every task of the loop: remember the run it works for (RUN in its context)."""
+        """Every task of the loop: remember the run it works for (RUN in its
+        context) and, with a slot, mark the slot at each of its steps (blame.py)."""
+        if self._slot is not None:
+            coro = blame.traced(coro, self._slot)
         task = asyncio.Task(coro, loop=loop, **options)
         context = options.get("context")
         flight = RUN.get() if context is None else context.get(RUN)

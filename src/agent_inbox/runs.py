@@ -173,15 +173,32 @@ class Runs:
             return self._release(conn, holder, [run.key for run in runs], now, error=error,
                                  at_once=at_once)
 
-    def release_holder(self, holder: str, *, error: str, now: int | None = None) -> list[str]:
+    def release_holder(self, holder: str, *, error: str, suspect: tuple[str, int] | None = None,
+                       now: int | None = None) -> list[str]:
         """Release every lease `holder` still holds (its worker process died), as
-        `release_runs` does; the users released."""
+        `release_runs` does; the users released.
+
+        `suspect` is the run (user, gen) that was executing when the process
+        died, if that is known (blame.py): it alone is released as above (its
+        retry is unfinished: it runs in quarantine). The holder's other runs are
+        spared: their events on their first attempt go back pending, the attempt
+        counted, so their retries run in a worker at full concurrency; those on a
+        later attempt (died in a crash before, failed before, or were running in
+        quarantine) are released as above. So a run wrongly blamed costs the
+        culprit at most one more crash, on a retry, which puts it in quarantine.
+        Without a suspect, or if `holder` no longer holds it, every run is
+        released as above."""
         holder = validate.text("holder", holder)
         error = validate.text("error", error)
         now = validate.optional_epoch("now", now)
         with db.connection(self._pool) as conn:
-            return self._release(conn, holder, self._held_by(conn, holder, now), now,
-                                 error=error, at_once=False)
+            held = self._held_by(conn, holder, now)
+            if suspect is None or tuple(suspect) not in held:
+                return self._release(conn, holder, held, now, error=error, at_once=False)
+            spared = [key for key in held if key != tuple(suspect)]
+            return (self._release(conn, holder, [tuple(suspect)], now, error=error, at_once=False)
+                    + self._release(conn, holder, spared, now, error=error, at_once=False,
+                                    spare=True))
 
     def _held_by(self, conn, holder: str, now: int | None) -> list[tuple[str, int]]:
         """The (user, gen) of the leases `holder` holds; on Citus, on the nodes

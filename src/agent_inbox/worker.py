@@ -43,7 +43,7 @@ import weakref
 from dataclasses import dataclass
 from typing import Callable
 
-from agent_inbox import db, errors, executors, handler, metrics, supervisor, validate
+from agent_inbox import blame, db, errors, executors, handler, metrics, supervisor, validate
 from agent_inbox.handler import Context, Crashed
 from agent_inbox.inbox import Inbox
 from agent_inbox.result import Result
@@ -154,7 +154,7 @@ class Worker:
     def __init__(self, inbox: Inbox, handler_reference: str, *, concurrency: int = 1,
                  poll_interval: float = 1.0, grace: float = 30.0, run_timeout: float = 900.0,
                  quarantine: int = 2, holder: str | None = None, stop: Stop | None = None,
-                 max_memory: int | None = None):
+                 max_memory: int | None = None, slot: blame.Slot | None = None):
         self.inbox = inbox
         self.handler = handler.load(handler_reference)
         self.concurrency = validate.positive_int("concurrency", concurrency)
@@ -178,7 +178,7 @@ class Worker:
         self._retries: list[tuple[float, Ending]] = []
         # Counts not yet added to this process's run_stats row (under _guard).
         self._stats = dict.fromkeys(stats.FIELDS, 0)
-        self.loop = executors.EventLoop()
+        self.loop = executors.EventLoop(slot)  # slot: the run stepping, for the supervisor
         # first attempts: on the loop (async def) or a thread each
         self._executor = (self.loop if handler.is_async(self.handler)
                           else executors.Threads(self.loop))
@@ -775,13 +775,14 @@ class Worker:
     # --- the service ------------------------------------------------------------------------
 
     def serve(self, url: str | None, *, predecessor: str | None = None,
-              predecessor_fate: str = "died") -> None:
+              predecessor_fate: str = "died", suspect: tuple[str, int] | None = None) -> None:
         """Run until SIGTERM/SIGINT, then shut down gracefully, LISTENing on
         `url` (None: polling only). `predecessor` is the holder of the worker
         process this one replaces: its leases are released first (it died with
-        its runs)."""
+        its runs; `suspect`, the run it was executing then, if known: see
+        Inbox.release_holder)."""
         if predecessor:
-            self._release_predecessor(predecessor, predecessor_fate)
+            self._release_predecessor(predecessor, predecessor_fate, suspect)
         Listener(url, [notify.WORK], self.waker.wake_one, self.stop).start()
         done = threading.Event()
         parts = [threading.Thread(target=self._complete_forever, args=(done,),
@@ -805,20 +806,24 @@ class Worker:
             thread.join(timeout=30)
         self.close()
 
-    def _release_predecessor(self, predecessor: str, fate: str) -> None:
+    def _release_predecessor(self, predecessor: str, fate: str,
+                             suspect: tuple[str, int] | None = None) -> None:
         delays = backoff_delays()
         while not self.stop.is_set():
             try:
                 users = self.inbox.release_holder(
-                    predecessor, error=f"the worker process running it {fate}")
+                    predecessor, error=f"the worker process running it {fate}", suspect=suspect)
                 break
             except errors.DatabaseUnavailable as exc:
                 log.warning("releasing the leases of %s failed (%s); retrying", predecessor, exc)
                 self.stop.wait(next(delays))
         else:
             return
-        log.warning("the worker process before this one %s: released its %d leases (%s)", fate,
-                    len(users), ", ".join(users[:20]) + (" ..." if len(users) > 20 else ""))
+        log.warning("the worker process before this one %s: released its %d leases (%s); %s", fate,
+                    len(users), ", ".join(users[:20]) + (" ..." if len(users) > 20 else ""),
+                    f"it was executing user={suspect[0]} gen={suspect[1]}: that run is retried "
+                    "in quarantine, the others' first attempts as ordinary runs" if suspect else
+                    "the run it was executing is not known: every run is retried in quarantine")
 
     def _shut_down(self) -> None:
         """Runs not started are given back now; running ones get the grace

@@ -43,6 +43,14 @@ def crash_process(batch, ctx):
     return Result(messages=["ok"])
 
 
+async def async_crash_process(batch, ctx):
+    """crash_process, async: the poison kills its process in its task's step."""
+    if any(e.payload.get("poison") for e in batch):
+        os.kill(os.getpid(), signal.SIGKILL)
+    await asyncio.sleep(0)
+    return Result(messages=["ok"])
+
+
 def pid_of_runner(batch, ctx):
     return Result(messages=[str(os.getpid())])
 

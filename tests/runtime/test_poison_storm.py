@@ -4,7 +4,10 @@ is parked dead. A poison event's first attempt kills its worker's runtime and
 the runs in flight beside it (one attempt each: the price of no process per
 run); the supervisor starts another runtime, and every retry of a run that
 ended without a finish runs alone in quarantine, where only the poison event
-dies again."""
+dies again. With an async handler the poison is named (blame.py): only its
+run goes to quarantine, the runs beside it are retried in the next runtime."""
+
+import pytest
 
 from tests.runtime.support import scalar, wait_until, worker_args
 
@@ -12,11 +15,12 @@ USERS = 40
 POISON_EVERY = 3  # users 0, 3, 6, ...: 14 poison users among 40
 
 
-def test_a_poison_storm_kills_only_the_poison_events(database_url, inbox, spawn):
+@pytest.mark.parametrize("handler", ["crash_process", "async_crash_process"])
+def test_a_poison_storm_kills_only_the_poison_events(database_url, inbox, spawn, handler):
     inbox.ingest_many([(f"u{n:02}", "chat", str(k), {"poison": n % POISON_EVERY == 0 and k == 0})
                        for k in range(2) for n in range(USERS)])
     for _ in range(2):
-        spawn(*worker_args(database_url, "crash_process", "--concurrency", "2",
+        spawn(*worker_args(database_url, handler, "--concurrency", "2",
                            "--retry-backoff", "1", "--poll-interval", "0.2",
                            "--log-level", "warning"))
     wait_until(lambda: scalar(database_url, "SELECT count(*) FROM events "

@@ -406,10 +406,12 @@ RETURNING clock.now
 """
 
 # RELEASE's `marked`: the run's events stay running (the attempt counted),
-# claimable now unless `at_once` is false, with `error` recorded.
+# or with `spare` those on their first attempt go back pending, claimable now
+# unless `at_once` is false, with `error` recorded.
 MARK_RELEASED = """
 UPDATE events e
-   SET available_at = CASE WHEN %(at_once)s THEN %(at)s ELSE e.available_at END,
+   SET status = CASE WHEN %(spare)s AND e.attempts = 1 THEN 'pending' ELSE e.status END,
+       available_at = CASE WHEN %(at_once)s THEN %(at)s ELSE e.available_at END,
        error = coalesce(%(error)s::text, e.error)
  WHERE e.bucket = %(bucket)s AND e.user_id = %(user)s AND e.status = 'running'
    AND e.claim_gen = %(gen)s
@@ -434,13 +436,14 @@ def _expire(conn, user: str, holder: str, gen: int, now: int | None) -> dict | N
 
 
 def release(conn, holder: str, keys: list[tuple[str, int]], now: int | None, *,
-            error: str | None = None, at_once: bool = True) -> list[str]:
+            error: str | None = None, at_once: bool = True, spare: bool = False) -> list[str]:
     """store/lease.py's release, in the caller's transaction; the users released."""
     released = []
     for user, gen in sorted(keys):
         params = _expire(conn, user, holder, gen, now)
         if params is not None:
-            conn.execute(MARK_RELEASED, {**params, "error": error, "at_once": at_once})
+            conn.execute(MARK_RELEASED, {**params, "error": error, "at_once": at_once,
+                                         "spare": spare})
             conn.execute(WAKE, params)
             released.append(user)
     return released

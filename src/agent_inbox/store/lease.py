@@ -107,8 +107,11 @@ def renew(conn, holder: str, keys: list[tuple[str, int]], ttl: int, now: int | N
 # `running` under the old generation: the attempt stays counted, and the claim
 # that retries them sees them unfinished (the worker runs that run in
 # quarantine). `error`, if given, is recorded on them; `at_once` makes them
-# claimable now rather than after their retry backoff. Each user released gets a
-# wake now (store/inbox.py, TAKE_WORK), so a take looks at it again.
+# claimable now rather than after their retry backoff. With `spare`, events on
+# their first attempt go back `pending` instead (the attempt still counted): the
+# run died beside another that was blamed for the crash, and its retry is an
+# ordinary run, not an unfinished one (runs.release_holder). Each user released
+# gets a wake now (store/inbox.py, TAKE_WORK), so a take looks at it again.
 RELEASE = HELD + """, released AS (
     UPDATE leases l SET until = clock.now - 1
       FROM clock, held
@@ -116,7 +119,8 @@ RELEASE = HELD + """, released AS (
  RETURNING l.user_id, l.gen
 ), marked AS (
     UPDATE events e
-       SET available_at = CASE WHEN %(at_once)s THEN clock.now ELSE e.available_at END,
+       SET status = CASE WHEN %(spare)s AND e.attempts = 1 THEN 'pending' ELSE e.status END,
+           available_at = CASE WHEN %(at_once)s THEN clock.now ELSE e.available_at END,
            error = coalesce(%(error)s, e.error)
       FROM clock, released r
      WHERE e.user_id = r.user_id AND e.status = 'running' AND e.claim_gen = r.gen
@@ -128,10 +132,10 @@ SELECT user_id FROM released
 
 
 def release(conn, holder: str, keys: list[tuple[str, int]], now: int | None, *,
-            error: str | None = None, at_once: bool = True) -> list[str]:
+            error: str | None = None, at_once: bool = True, spare: bool = False) -> list[str]:
     """The users whose leases were released (those this holder still held)."""
     params = {"holder": holder, "users": [u for u, _ in keys], "gens": [g for _, g in keys],
-              "now": now, "error": error, "at_once": at_once}
+              "now": now, "error": error, "at_once": at_once, "spare": spare}
     return [user for user, in conn.execute(RELEASE, params).fetchall()]
 
 
