@@ -178,13 +178,15 @@ CITUS_SETTINGS = {"shared_preload_libraries": "citus", "citus.node_conninfo": "s
 
 
 def citus_installed() -> bool:
-    """Whether the local PostgreSQL has the Citus extension's files."""
+    """Whether the local PostgreSQL has the Citus extension's files (the check
+    tests/setup-deps.sh makes too): /usr/lib/postgresql/15/lib/citus.so and
+    /usr/share/postgresql/15/extension/citus.control for /usr/lib/postgresql/15/bin."""
     try:
         bindir = find_bindir()
     except errors.DatabaseUnavailable:
         return False
-    share = Path("/usr/share/postgresql") / bindir.parent.name / "extension" / "citus.control"
-    return (bindir.parent / "lib" / "citus.so").exists() and share.exists()
+    share = bindir.parents[3] / "share" / "postgresql" / bindir.parent.name / "extension"
+    return (bindir.parent / "lib" / "citus.so").exists() and (share / "citus.control").exists()
 
 
 class CitusCluster:

@@ -23,7 +23,8 @@ DEFAULT_POOL_SIZE = 4
 @pytest.fixture(scope="module")
 def bouncer(server_url, request):
     if not pgbouncer.available():
-        pytest.skip("no pgbouncer binary (Debian package pgbouncer; .ci/run installs it)")
+        pytest.skip("no pgbouncer binary (Debian package pgbouncer; tests/setup-deps.sh, "
+                    "which ./dev test runs, installs it when run as root)")
     with pgbouncer.PgBouncer(server_url, pool_size=getattr(request.module, "POOL_SIZE",
                                                            DEFAULT_POOL_SIZE)) as running:
         yield running

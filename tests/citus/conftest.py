@@ -2,8 +2,8 @@
 coordinator and two worker nodes, each a throwaway cluster from the local
 binaries (pgserver.CitusCluster), started once per session.
 
-Skipped, saying why, only where the Citus extension is not installed (`.ci/run`
-installs it from ../shared/citus/). Each test gets a fresh database on every
+Skipped, saying why, only where the Citus extension is not installed
+(tests/setup-deps.sh installs it from ../shared/citus/). Each test gets a fresh database on every
 node, migrated with `migrate --citus`'s steps (the ordinary migrations, then
 citus.distribute). `inbox` and `make_inbox` override tests/conftest.py's, so
 tests/test_concurrency.py's functions run here unchanged.

@@ -14,7 +14,8 @@ def started_cluster() -> Iterator[pgserver.CitusCluster]:
     """A coordinator and two worker nodes for the block."""
     if not pgserver.citus_installed():
         pytest.skip("the Citus extension is not installed for the local PostgreSQL "
-                    "(.ci/run installs it from ../shared/citus/)")
+                    "(tests/setup-deps.sh, which ./dev test runs, installs it from "
+                    "../shared/citus/ when run as root)")
     with pgserver.CitusCluster(workers=2) as cluster:
         yield cluster
 
