@@ -11,7 +11,8 @@ import pytest
 from agent_inbox import errors, migrate, revision
 
 TABLES = {"events", "leases", "timers", "outbox", "operator_actions", "deliveries", "wakes",
-          "run_stats", "steps"}
+          "run_stats", "steps",
+          "memory", "policies", "default_policies", "permit_decisions", "limits"}
 
 
 def _tables(url: str) -> set[str]:

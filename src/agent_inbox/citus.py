@@ -55,8 +55,12 @@ BUCKETS = 64
 means re-bucketing every row."""
 
 USER_TABLES = ("leases", "events", "wakes", "timers", "outbox", "deliveries", "operator_actions",
-               "steps")
+               "steps", "memory", "policies", "permit_decisions")
 """Every table keyed by user, distributed by bucket and co-located with leases."""
+
+REFERENCE_TABLES = ("default_policies",)
+"""Small tables every node reads (a copy on each): read with a user's rows in
+one statement, written rarely (by operators)."""
 
 BUCKET_FUNCTION = f"""
 CREATE OR REPLACE FUNCTION agent_inbox_bucket(user_id text) RETURNS int
@@ -77,6 +81,9 @@ KEYS = (
     ("steps", "pk_steps", "PRIMARY KEY (bucket, user_id, id)"),
     ("steps", "uq_steps_user_id_event_ids_position",
      "UNIQUE (bucket, user_id, event_ids, position)"),
+    ("memory", "pk_memory", "PRIMARY KEY (bucket, user_id)"),
+    ("policies", "pk_policies", "PRIMARY KEY (bucket, user_id, tool)"),
+    ("permit_decisions", "pk_permit_decisions", "PRIMARY KEY (bucket, user_id, id)"),
 )
 
 
@@ -244,8 +251,10 @@ def _require_coordinator(conn: psycopg.Connection) -> None:
 
 def distribute(url: str, *, shard_count: int = 32) -> bool:
     """Lay the migrated schema at `url` out over the Citus cluster (see the
-    module's docstring). On a database already laid out, a user table a later
-    migration added (steps, in 0006) is laid out the same way. False if there
+    module's docstring). On a database already laid out, the tables a later
+    migration added are laid out the same way (steps in 0006; memory, policies
+    and permit_decisions in 0007, and default_policies as a reference table).
+    `limits`, the fleet's rate budgets, stays a table of the coordinator's own. False if there
     was nothing to do; True if this call distributed something. Runs in
     autocommit, step by step: Citus distributes a table in a transaction of its
     own."""
@@ -253,12 +262,16 @@ def distribute(url: str, *, shard_count: int = 32) -> bool:
         _require_coordinator(conn)
         if is_distributed(conn):
             added = [table for table in USER_TABLES if not _is_distributed_table(conn, table)]
-            if not added:
+            shared = [table for table in REFERENCE_TABLES
+                      if not _is_distributed_table(conn, table)]
+            if not added and not shared:
                 return False
             with conn.transaction():
                 _add_buckets(conn, added)
             for table in added:
                 _colocate(conn, table)
+            for table in shared:
+                conn.execute("SELECT create_reference_table(%s)", (table,))
             return True
         with conn.transaction():
             conn.execute(BUCKET_FUNCTION)
@@ -272,6 +285,8 @@ def distribute(url: str, *, shard_count: int = 32) -> bool:
             _colocate(conn, table)
         conn.execute("SELECT create_distributed_table('run_stats', 'process', "
                      "shard_count => %s)", (shard_count,))
+        for table in REFERENCE_TABLES:
+            conn.execute("SELECT create_reference_table(%s)", (table,))
     return True
 
 

@@ -230,9 +230,99 @@ operator_actions = sa.Table(
     sa.Column("outbox_batch", sa.BigInteger),
     sa.PrimaryKeyConstraint("user_id", "id"),
     sa.CheckConstraint(
-        "action IN ('requeue', 'discard', 'outbox_retry', 'outbox_discard')", name="action"
+        "action IN ('requeue', 'discard', 'outbox_retry', 'outbox_discard', "
+        "'memory_set', 'memory_clear', 'policy_set', 'policy_clear')", name="action"
     ),
-    sa.CheckConstraint("(event_id IS NULL) <> (outbox_batch IS NULL)", name="one_target"),
+    # An event's repair names the event, an outbox repair its batch; a memory or
+    # policy change names neither.
+    sa.CheckConstraint(
+        "CASE WHEN action IN ('memory_set', 'memory_clear', 'policy_set', 'policy_clear')"
+        " THEN event_id IS NULL AND outbox_batch IS NULL"
+        " ELSE (event_id IS NULL) <> (outbox_batch IS NULL) END", name="one_target"),
+)
+
+# A user's memory (store/memory.py): one JSON document, read with the run's
+# claim and replaced only by a run's fenced finish (`updated_by` its holder,
+# `gen` its generation) or by an operator while no run holds the lease
+# (`updated_by` "operator:<actor>", `gen` NULL).
+memory = sa.Table(
+    "memory",
+    metadata,
+    sa.Column("user_id", sa.Text, nullable=False),
+    sa.Column("doc", JSONB, nullable=False),
+    sa.Column("updated_at", sa.BigInteger, nullable=False, server_default=DB_CLOCK),
+    sa.Column("updated_by", sa.Text, nullable=False),
+    sa.Column("gen", sa.BigInteger),
+    sa.PrimaryKeyConstraint("user_id"),
+)
+
+# What `ctx.permit(tool, args)` answers (store/policies.py): a user's rule for a
+# tool (or for every tool, `*`), else the default's; 'ask' turns the call into
+# an approval request that waits `ask_expires_in` seconds for its answer.
+POLICY_ANSWERS = "answer IN ('allow', 'deny', 'ask')"
+
+
+def _policy_columns() -> list:
+    return [
+        sa.Column("tool", sa.Text, nullable=False),
+        sa.Column("answer", sa.Text, nullable=False),
+        sa.Column("ask_expires_in", sa.BigInteger, nullable=False, server_default="86400"),
+        sa.Column("updated_at", sa.BigInteger, nullable=False, server_default=DB_CLOCK),
+        sa.Column("updated_by", sa.Text, nullable=False),
+        sa.CheckConstraint(POLICY_ANSWERS, name="answer"),
+        sa.CheckConstraint("ask_expires_in > 0", name="ask_expires_in"),
+    ]
+
+
+policies = sa.Table(
+    "policies",
+    metadata,
+    sa.Column("user_id", sa.Text, nullable=False),
+    *_policy_columns(),
+    sa.PrimaryKeyConstraint("user_id", "tool"),
+)
+
+default_policies = sa.Table(
+    "default_policies",
+    metadata,
+    *_policy_columns(),
+    sa.PrimaryKeyConstraint("tool"),
+)
+
+# Every answer `ctx.permit` gave: which run asked, about which tool and
+# arguments (a digest), and the rule that answered.
+permit_decisions = sa.Table(
+    "permit_decisions",
+    metadata,
+    sa.Column("user_id", sa.Text, nullable=False),
+    sa.Column("id", sa.BigInteger, sa.Identity(always=True), nullable=False),
+    sa.Column("at", sa.BigInteger, nullable=False, server_default=DB_CLOCK),
+    sa.Column("tool", sa.Text, nullable=False),
+    sa.Column("args_digest", sa.Text, nullable=False),
+    sa.Column("answer", sa.Text, nullable=False),
+    sa.Column("rule", sa.Text, nullable=False),
+    sa.Column("holder", sa.Text, nullable=False),
+    sa.Column("gen", sa.BigInteger, nullable=False),
+    sa.PrimaryKeyConstraint("user_id", "id"),
+    sa.CheckConstraint(POLICY_ANSWERS, name="answer"),
+)
+
+# Named rate budgets every worker shares (`ctx.limit`): `rate` per
+# `per_seconds`, at most `burst` at once; `tokens` left as of `refilled_at`
+# (epoch seconds with a fraction). Not keyed by user: it describes the fleet.
+limits = sa.Table(
+    "limits",
+    metadata,
+    sa.Column("name", sa.Text, nullable=False),
+    sa.Column("rate", sa.BigInteger, nullable=False),
+    sa.Column("per_seconds", sa.BigInteger, nullable=False),
+    sa.Column("burst", sa.BigInteger, nullable=False),
+    sa.Column("tokens", sa.Float(precision=53), nullable=False),
+    sa.Column("refilled_at", sa.Float(precision=53), nullable=False),
+    sa.Column("updated_at", sa.BigInteger, nullable=False, server_default=DB_CLOCK),
+    sa.Column("updated_by", sa.Text, nullable=False),
+    sa.PrimaryKeyConstraint("name"),
+    sa.CheckConstraint("rate > 0 AND per_seconds > 0 AND burst >= 0", name="rate"),
 )
 
 # What the worker runtime did, per minute (epoch seconds // 60 * 60) and per
