@@ -4,6 +4,8 @@
 - `policies` (per user) and `default_policies`: what `ctx.permit(tool, args)`
   answers; `permit_decisions`: every answer given, with the rule that gave it.
 - `limits`: named rate budgets shared by every worker (`ctx.limit`).
+- `events.traceparent` and `outbox.traceparent`: the W3C trace context a
+  webhook brought, carried to the run and to the message's send (tracing).
 - `operator_actions` widened: memory and policy changes are audited there too
   (they name no event and no outbox batch).
 
@@ -79,6 +81,8 @@ def upgrade() -> None:
         sa.PrimaryKeyConstraint("name", name="pk_limits"),
         sa.CheckConstraint("rate > 0 AND per_seconds > 0 AND burst >= 0", name="ck_limits_rate"),
     )
+    op.add_column("events", sa.Column("traceparent", sa.Text))
+    op.add_column("outbox", sa.Column("traceparent", sa.Text))
     # Widened, not changed: older code writes only what it wrote before.
     op.drop_constraint("ck_operator_actions_action", "operator_actions", type_="check")
     op.create_check_constraint(
@@ -102,5 +106,7 @@ def downgrade() -> None:
     op.create_check_constraint(
         "ck_operator_actions_action", "operator_actions",
         "action IN ('requeue', 'discard', 'outbox_retry', 'outbox_discard')")
+    op.drop_column("outbox", "traceparent")
+    op.drop_column("events", "traceparent")
     for table in ("limits", "permit_decisions", "default_policies", "policies", "memory"):
         op.drop_table(table)

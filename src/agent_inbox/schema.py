@@ -43,6 +43,8 @@ events = sa.Table(
     sa.Column("claimed_at", sa.BigInteger),
     # What the provider calls the event (GitHub's X-GitHub-Event, Stripe's type).
     sa.Column("kind", sa.Text),
+    # The W3C trace context the event arrived with (a webhook's traceparent).
+    sa.Column("traceparent", sa.Text),
     sa.PrimaryKeyConstraint("user_id", "id"),
     sa.UniqueConstraint("user_id", "source", "source_id"),
     sa.CheckConstraint(
@@ -180,6 +182,8 @@ outbox = sa.Table(
     # is parked: failed_at and the error, until an operator retries or discards it.
     sa.Column("failed_at", sa.BigInteger),
     sa.Column("error", sa.Text),
+    # The trace context of the run that queued it, for the send's span.
+    sa.Column("traceparent", sa.Text),
     sa.PrimaryKeyConstraint("user_id", "id"),
 )
 
