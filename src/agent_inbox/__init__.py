@@ -16,7 +16,7 @@ _EXPORTS = {
         "AgentInboxError", "DatabaseRefused", "DatabaseUnavailable", "InvalidAnswer",
         "InvalidInput", "InvalidPayload", "InvalidTime", "InvalidTimer", "PartlyDone",
         "PayloadTooLarge", "PermanentSendError", "SchemaNotAtHead", "StepMismatch", "StepRefused",
-        "TransactionConflict",
+        "TransactionConflict", "LeaseLost", "UserBusy",
     ],
     "agent_inbox.handler": ["Context"],
     "agent_inbox.inbox": ["Inbox"],
@@ -46,7 +46,7 @@ if TYPE_CHECKING:
                                     InvalidAnswer, InvalidInput, InvalidPayload, InvalidTime,
                                     InvalidTimer, PartlyDone, PayloadTooLarge,
                                     PermanentSendError, SchemaNotAtHead, StepMismatch,
-                                    StepRefused, TransactionConflict)
+                                    StepRefused, TransactionConflict, LeaseLost, UserBusy)
     from agent_inbox.handler import Context
     from agent_inbox.inbox import Inbox
     from agent_inbox.records import Event, Lease, OutboxMessage, Timer

@@ -98,7 +98,19 @@ class StepMismatch(AgentInboxError):
     order on every attempt (branch on what steps returned, not on the clock)."""
 
 
-class StepRefused(AgentInboxError):
+class LeaseLost(AgentInboxError):
+    """A run's write or question was refused by its fence: the lease is no
+    longer this run's (it expired, or another worker took the user over). The
+    run is stopped; nothing it returns will commit."""
+
+
+class UserBusy(AgentInboxError):
+    """An operator's change to a user (its memory) was refused because a run
+    holds the user's lease: that run's finish would replace it. Try again once
+    the run has ended."""
+
+
+class StepRefused(LeaseLost):
     """A step's record was refused by the run's fence: the lease is no longer
     this run's (it expired, or another worker took the user over). The run is
     stopped as for a lost lease; nothing it returns will commit."""

@@ -88,6 +88,9 @@ class Context:
     gen: int
     lease_lost: LeaseLost = field(default_factory=LeaseLost)
     steps: RunSteps | None = field(default=None, repr=False)
+    # The user's memory document as the run's claim read it (None: none yet);
+    # Result(memory=...) replaces it in the run's finish.
+    memory: Any = field(default=None, repr=False)
 
     async def step(self, name: str, fn: Callable, /, *args, **kwargs) -> Any:
         """`fn(*args, **kwargs)` (awaited if it returns an awaitable), called
@@ -264,10 +267,11 @@ def _serve_runs(reference: str, conn, parent: int) -> None:
         target, problem = None, str(exc)
     while True:
         try:
-            batch, user, holder, gen, step_limit = conn.recv()
+            batch, user, holder, gen, step_limit, memory = conn.recv()
         except EOFError:
             return
-        ctx = Context(user=user, holder=holder, gen=gen)  # never set: the process is stopped
+        # lease_lost is never set here: the process is stopped instead
+        ctx = Context(user=user, holder=holder, gen=gen, memory=memory)
         if step_limit is not None:  # a run with a journal in the worker
             ctx.steps = RunSteps(user, holder, gen, [e.id for e in batch],
                                  may_resume=any(e.attempts > 1 for e in batch),
@@ -324,7 +328,7 @@ class HandlerProcess:
             started = time.monotonic()
             try:
                 step_limit = ctx.steps.max_result_bytes if ctx.steps else None
-                conn.send((batch, ctx.user, ctx.holder, ctx.gen, step_limit))
+                conn.send((batch, ctx.user, ctx.holder, ctx.gen, step_limit, ctx.memory))
             except OSError:  # it died after the check: nothing ran yet
                 self.stop()
                 continue

@@ -16,12 +16,15 @@ from agent_inbox.delivery import Delivery
 from agent_inbox.records import EVENT_STATUSES, ClaimPolicy, Event, SendPolicy
 from agent_inbox.runs import Run, Runs
 from agent_inbox.scheduling import Scheduling
-from agent_inbox.store import bucketed, inbox, lease, retention, steps
+from agent_inbox.store import admin, bucketed, inbox, lease, retention, steps
+from agent_inbox.store import memory as memories
 from agent_inbox.store.steps import RecordedStep
 
 __all__ = ["Inbox", "Run"]
 
 DEFAULT_MAX_PAYLOAD_BYTES = 1 << 20
+# A user's memory is read with every claim: kept small by default.
+DEFAULT_MAX_MEMORY_BYTES = 256 << 10
 # Events per statement in ingest_many.
 INGEST_CHUNK = 1000
 
@@ -35,6 +38,7 @@ class Inbox(Runs, Scheduling, Delivery):
 
     def __init__(self, pool, *, max_attempts: int = 3, lease_ttl: int = 120,
                  outbox_gap: int = 3600, max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES,
+                 max_memory_bytes: int = DEFAULT_MAX_MEMORY_BYTES,
                  retry_backoff: int = 5, retry_backoff_cap: int = 300, max_batch: int = 100,
                  send_timeout: int = 120, max_send_attempts: int = 10, send_backoff: int = 5,
                  send_backoff_cap: int = 300):
@@ -51,6 +55,7 @@ class Inbox(Runs, Scheduling, Delivery):
             backoff_base=validate.epoch("send_backoff", send_backoff),
             backoff_cap=validate.epoch("send_backoff_cap", send_backoff_cap))
         self.max_payload_bytes = validate.positive_int("max_payload_bytes", max_payload_bytes)
+        self.max_memory_bytes = validate.positive_int("max_memory_bytes", max_memory_bytes)
         self._pool = pool
         # On a Citus coordinator (citus.py) statements are routed by bucket and
         # the code that inserts events does the events_inserted trigger's work.
@@ -64,7 +69,7 @@ class Inbox(Runs, Scheduling, Delivery):
         `pooler="transaction"`, `url` may be a transaction pooler's (PgBouncer in
         `pool_mode = transaction`): no statement is prepared on the server.
         `options` are the constructor's: max_attempts=3, lease_ttl=120,
-        outbox_gap=3600, max_payload_bytes=1 MiB, retry_backoff=5,
+        outbox_gap=3600, max_payload_bytes=1 MiB, max_memory_bytes=256 KiB, retry_backoff=5,
         retry_backoff_cap=300, max_batch=100, send_timeout=120, max_send_attempts=10,
         send_backoff=5, send_backoff_cap=300."""
         validate.text("url", url)
@@ -170,6 +175,37 @@ class Inbox(Runs, Scheduling, Delivery):
             raise errors.InvalidInput("status", status, f"must be one of {EVENT_STATUSES}")
         with db.connection(self._pool) as conn:
             return inbox.list_events(conn, user, status)
+
+    def memory(self, user: str) -> Any:
+        """The user's memory document (None if it has none)."""
+        user = validate.text("user", user)
+        with db.connection(self._pool) as conn:
+            row = memories.get(conn, user)
+        return None if row is None else row["doc"]
+
+    def set_memory(self, user: str, doc: Any, *, actor: str, now: int | None = None) -> None:
+        """Replace the user's memory as an operator (None deletes it), recorded
+        in operator_actions with the document it replaced. Refused with
+        UserBusy while a run holds the user's lease (its finish would replace
+        the change); nothing is changed then."""
+        user, actor = validate.text("user", user), validate.text("actor", actor)
+        encoded = None if doc is None else validate.payload("memory", doc,
+                                                            self.max_memory_bytes)
+        now = validate.optional_epoch("now", now)
+        with db.transaction(self._pool) as conn:
+            held = conn.execute(memories.OPERATOR_LOCK, {"user": user, "now": now}).fetchone()
+            if held is not None and held[2] >= 0:
+                holder, gen, expires_in = held
+                raise errors.UserBusy(
+                    f"user {user!r} has a run in flight (holder {holder}, generation {gen}, "
+                    f"lease expires in {expires_in} s): its finish would replace the memory; "
+                    "try again once it has ended")
+            previous = memories.get(conn, user)
+            memories.replace(conn, user, encoded, f"operator:{actor}", None, now)
+            admin.record_memory_change(conn, user, actor, previous and previous["doc"], doc,
+                                       now)
+
+    # --- durable steps, operators' view ---------------------------------------
 
     def steps(self, user: str) -> list[RecordedStep]:
         """A user's recorded durable steps (of runs in flight or that never

@@ -182,6 +182,30 @@ def add_parsers(commands) -> None:
     _add_now(approve)
     approve.set_defaults(run=cmd_approve)
 
+    memory = commands.add_parser("memory", help="read or change a user's memory",
+                                 description="A user's memory: the JSON document its agent "
+                                             "keeps between runs (ctx.memory).")
+    memory_commands = memory.add_subparsers(dest="memory_command", required=True,
+                                            metavar="{get,set,clear}")
+    get = _parser(memory_commands, "get", "print a user's memory document (JSON)")
+    get.add_argument("--user", type=_text, required=True)
+    get.set_defaults(run=cmd_memory_get)
+    put = _parser(memory_commands, "set", "replace a user's memory with a JSON document",
+                  "Replace a user's memory with the JSON document given (or read from "
+                  "stdin with -). Refused (exit 2, nothing changed) while a run holds the "
+                  "user's lease: its finish would replace the change. Recorded in the audit "
+                  "table with the document replaced.")
+    put.add_argument("--user", type=_text, required=True)
+    put.add_argument("document", help="a JSON document, or - to read it from stdin")
+    _add_now(put)
+    put.set_defaults(run=cmd_memory_set)
+    clear = _parser(memory_commands, "clear", "delete a user's memory",
+                    "Delete a user's memory, as `set` would (refused while a run holds the "
+                    "lease; audited).")
+    clear.add_argument("--user", type=_text, required=True)
+    _add_now(clear)
+    clear.set_defaults(run=cmd_memory_clear)
+
     audit = _parser(commands, "audit", "operators' recorded repairs, newest first",
                     "Every dead requeue and discard, recorded in the transaction that made it: "
                     "who, when, which event, and what it was before.")
@@ -308,6 +332,42 @@ def cmd_events(args: argparse.Namespace, name: str) -> int:
                  "steps": steps_out}, text)
     return 0
 
+
+
+@_command("memory-get")
+def cmd_memory_get(args: argparse.Namespace, name: str) -> int:
+    with _opened(args, name) as inbox:
+        doc = inbox.memory(args.user)
+    _emit(args, {"user": args.user, "memory": doc},
+          json.dumps(doc, indent=2, ensure_ascii=False) if doc is not None
+          else f"user {args.user!r} has no memory")
+    return 0
+
+
+@_command("memory-set")
+def cmd_memory_set(args: argparse.Namespace, name: str) -> int:
+    text = sys.stdin.read() if args.document == "-" else args.document
+    try:
+        doc = json.loads(text)
+    except ValueError as exc:
+        raise errors.InvalidInput("document", text, f"is not JSON: {exc}") from None
+    return _change_memory(args, name, doc)
+
+
+@_command("memory-clear")
+def cmd_memory_clear(args: argparse.Namespace, name: str) -> int:
+    return _change_memory(args, name, None)
+
+
+def _change_memory(args: argparse.Namespace, name: str, doc) -> int:
+    with _opened(args, name) as inbox:
+        inbox.set_memory(args.user, doc, actor=_actor(), now=args.now)
+    action = "memory_clear" if doc is None else "memory_set"
+    print(f"agent-inbox audit: {action} by {_actor()} at {tables.when(int(time.time()))}: "
+          f"user={args.user!r}", file=sys.stderr, flush=True)
+    _emit(args, {"user": args.user, "memory": doc},
+          f"memory of user {args.user!r} " + ("cleared" if doc is None else "replaced"))
+    return 0
 
 
 @_command("dead-list")

@@ -1,8 +1,10 @@
 """What a handler returns: everything one run produces, committed together.
 
-`Result(messages=[...], timers=[...], approvals=[...])` is written in the run's one
-fenced finish transaction, or not at all; `Result(error="...")` (or a raised
-exception) puts the run's events back for a retry and writes nothing else.
+`Result(messages=[...], timers=[...], approvals=[...], memory=...)` is written in
+the run's one fenced finish transaction, or not at all; `Result(error="...")`
+(or a raised exception) puts the run's events back for a retry and writes
+nothing else. `memory` replaces the user's memory document (`ctx.memory` is
+what the run read with its claim); None deletes it; left out, it stays.
 """
 
 from collections.abc import Mapping
@@ -42,9 +44,23 @@ class ApprovalRequest:
     action: Any = None
 
 
+class _Keep:
+    """`Result.memory`'s default: the user's memory stays as it is."""
+
+    def __repr__(self) -> str:
+        return "KEEP"
+
+    def __reduce__(self):  # one object in every process (a quarantine's result is pickled)
+        return "KEEP"
+
+
+KEEP = _Keep()
+
+
 @dataclass(frozen=True)
 class Result:
     messages: tuple = ()   # str or Message
     timers: tuple = ()     # TimerRequest
     approvals: tuple = ()  # ApprovalRequest
     error: str | None = None
+    memory: Any = KEEP     # a JSON document replaces the user's memory; None deletes it

@@ -19,11 +19,12 @@ PartlyDone with what it did on the others.
 
 import asyncio
 from dataclasses import dataclass
+from typing import Any
 
 from agent_inbox import citus, db, errors, validate
 from agent_inbox.handler import Context
 from agent_inbox.records import Event
-from agent_inbox.result import ApprovalRequest, Message, Result, TimerRequest
+from agent_inbox.result import KEEP, ApprovalRequest, Message, Result, TimerRequest
 from agent_inbox.steps import RunSteps
 from agent_inbox.store import approvals, bucketed, inbox, lease, steps, timers
 from agent_inbox.store.steps import RecordedStep, StepRecord
@@ -40,6 +41,7 @@ class Run:
     events: list[Event]
     died: int = 0  # events this claim parked as dead (out of attempts)
     unfinished: int = 0  # events claimed again after a run that ended without a finish
+    memory: Any = None  # the user's memory document as the claim read it (None: none)
 
     @property
     def key(self) -> tuple[str, int]:
@@ -56,6 +58,7 @@ class Outcome:
     timer_rows: list[dict]
     approval_rows: list[tuple[str, dict]]  # (request id, timer row)
     forget_steps: bool = True  # see inbox.Finish
+    memory: tuple[str | None] | None = None  # see inbox.Finish
 
     @property
     def writes_timers(self) -> bool:
@@ -65,7 +68,7 @@ class Outcome:
     def finish(self) -> inbox.Finish:
         run = self.run
         return inbox.Finish(run.user, run.holder, run.gen, [e.id for e in run.events],
-                            self.messages, self.error, self.forget_steps)
+                            self.messages, self.error, self.forget_steps, self.memory)
 
 
 class Runs:
@@ -219,7 +222,10 @@ class Runs:
         approval_rows = [self._approval_row(a)
                          for a in validate.sequence("result.approvals", result.approvals)]
         forget = steps_recorded or any(event.attempts > 1 for event in run.events)
-        return Outcome(run, error, messages, timer_rows, approval_rows, forget)
+        memory = None if result.memory is KEEP else (
+            None if result.memory is None
+            else validate.payload("result.memory", result.memory, self.max_memory_bytes),)
+        return Outcome(run, error, messages, timer_rows, approval_rows, forget, memory)
 
     def finish_run(self, run: Run, result: Result, *, release: bool = True,
                    now: int | None = None) -> bool:
@@ -318,7 +324,7 @@ class Runs:
         claim_batch): its durable steps are read and recorded through this
         Inbox, one transaction per record."""
         limit = self.max_payload_bytes if max_step_bytes is None else max_step_bytes
-        ctx = Context(run.user, run.holder, run.gen)
+        ctx = Context(run.user, run.holder, run.gen, memory=run.memory)
         ctx.steps = RunSteps(run.user, run.holder, run.gen, [e.id for e in run.events],
                              may_resume=any(e.attempts > 1 for e in run.events),
                              journal=DirectJournal(self, run.user, [e.id for e in run.events]),
@@ -380,8 +386,8 @@ class Runs:
 
     @staticmethod
     def _as_runs(holder: str, taken: list[tuple]) -> list[Run]:
-        return [Run(user, holder, gen, claimed_at, events, died, unfinished)
-                for user, gen, claimed_at, died, unfinished, events in taken]
+        return [Run(user, holder, gen, claimed_at, events, died, unfinished, memory)
+                for user, gen, claimed_at, died, unfinished, memory, events in taken]
 
     def _message(self, message) -> tuple[str, bool]:
         if isinstance(message, Message):

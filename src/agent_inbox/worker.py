@@ -229,7 +229,7 @@ class Worker:
         return flights
 
     def _flight(self, run: Run, taken_at: float) -> InFlight:
-        flight = InFlight(run, Context(run.user, run.holder, run.gen), taken_at)
+        flight = InFlight(run, Context(run.user, run.holder, run.gen, memory=run.memory), taken_at)
         flight.ctx.steps = RunSteps(run.user, run.holder, run.gen, [e.id for e in run.events],
                                     may_resume=any(e.attempts > 1 for e in run.events),
                                     journal=WorkerJournal(self, flight),

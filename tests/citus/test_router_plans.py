@@ -11,7 +11,7 @@ import pytest
 
 from agent_inbox import citus
 from agent_inbox.records import ClaimPolicy
-from agent_inbox.store import bucketed, inbox, lease, outbox, steps, timers
+from agent_inbox.store import bucketed, inbox, lease, memory, outbox, steps, timers
 
 POLICY = ClaimPolicy(max_attempts=3, backoff_base=5, backoff_cap=300, max_batch=100).params()
 ALICE = {"bucket": citus.bucket("alice"), "user": "alice", "now": None}
@@ -71,6 +71,11 @@ STATEMENTS = {
     "steps: read": (steps.RECORDED, {"users": ["alice"], "events": ["1"]}),
     "steps: forget": (steps.FORGET, {**RUN}),
     "steps view": (steps.LIST, {"user": "alice", "limit": 10}),
+    "memory: replace": (memory.UPSERT, {"user": "alice", "doc": "{}", "by": "A", "gen": 1,
+                                        "now": None}),
+    "memory: delete": (memory.DELETE, {"user": "alice"}),
+    "memory: read": (memory.GET, {"user": "alice"}),
+    "memory: an operator's lock": (memory.OPERATOR_LOCK, {"user": "alice", "now": None}),
 }
 
 # Statements Citus runs in steps (an INSERT ... SELECT from parameters),

@@ -12,6 +12,8 @@ Invariant 1 holds for stored keys only: discarding a dead event deletes its key,
 so a redelivery of the same (user, source, source_id) is stored and run again.
 """
 
+import json
+
 from psycopg.rows import dict_row
 
 from agent_inbox import citus
@@ -296,3 +298,18 @@ def _columns(pairs: list[tuple[str, int]]) -> tuple[list[str], list[int]]:
 
 def _without(row: dict, key: str) -> dict:
     return {k: v for k, v in row.items() if k != key}
+
+
+# An operator's change of a user's memory (store/memory.py), recorded in the
+# transaction that made it, with the document it replaced.
+RECORD_MEMORY = f"""
+INSERT INTO operator_actions (user_id, at, actor, action, detail)
+VALUES (%(user)s, {NOW}, %(actor)s, %(action)s, %(detail)s::jsonb)
+"""
+
+
+def record_memory_change(conn, user: str, actor: str, previous, doc, now: int | None) -> None:
+    conn.execute(RECORD_MEMORY, {
+        "user": user, "actor": actor, "now": now,
+        "action": "memory_clear" if doc is None else "memory_set",
+        "detail": json.dumps({"previous": previous, "memory": doc})})

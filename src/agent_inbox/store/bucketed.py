@@ -51,7 +51,7 @@ import json
 
 from agent_inbox import citus
 from agent_inbox.records import ClaimPolicy, Event
-from agent_inbox.store import approvals, inbox, lease, notify, steps, timers
+from agent_inbox.store import approvals, inbox, lease, memory, notify, steps, timers
 from agent_inbox.store.clock import DB_CLOCK, NOW
 from agent_inbox.store.inbox import CLAIM_STEPS, LOOK, Finish
 
@@ -142,7 +142,8 @@ WITH run AS (
            count(*) FILTER (WHERE status = 'running' AND old_status = 'running') AS unfinished
       FROM changed
 )
-SELECT tally.died, tally.unfinished, claimed.*
+SELECT tally.died, tally.unfinished,
+       (SELECT m.doc FROM memory m WHERE m.user_id = %(user)s) AS memory, claimed.*
   FROM tally LEFT JOIN claimed ON true
  ORDER BY claimed.id
 """
@@ -163,7 +164,7 @@ def due_buckets(conn, nodes: citus.NodeMap, now: int | None) -> list[int]:
 def take(conn, bucket: int, holder: str, ttl: int, policy: ClaimPolicy, now: int | None,
          users: int) -> list[tuple]:
     """TAKE_WORK in one bucket, in the caller's transaction: read_taken's rows
-    (user, gen, claimed_at, died, unfinished, events), longest waiting first."""
+    (user, gen, claimed_at, died, unfinished, memory, events), longest waiting first."""
     params = {"bucket": bucket, "now": now, "users": users}
     picked = conn.execute(PICK, params).fetchall()
     if len(picked) >= users:
@@ -188,9 +189,9 @@ def take(conn, bucket: int, holder: str, ttl: int, policy: ClaimPolicy, now: int
         gen, claimed_at = gens[user]
         rows = conn.execute(CLAIM_TALLY, {"user": user, "holder": holder, "gen": gen,
                                           "now": now, **policy.params()}).fetchall()
-        died, unfinished = rows[0][:2]
-        events = [Event(*row[2:]) for row in rows if row[2] is not None]
-        runs.append((user, gen, claimed_at, died, unfinished, events))
+        died, unfinished, doc = rows[0][:3]
+        events = [Event(*row[3:]) for row in rows if row[3] is not None]
+        runs.append((user, gen, claimed_at, died, unfinished, doc, events))
     return runs
 
 
@@ -275,6 +276,8 @@ def finish(conn, f: Finish, now: int | None, *, release: bool) -> bool:
         return False
     if f.error is None and f.forget_steps:
         conn.execute(steps.FORGET, params)
+    if f.error is None and f.memory is not None:
+        memory.replace(conn, f.user, f.memory[0], f.holder, f.gen, now)
     if f.error is None and f.messages:
         for body, urgent in f.messages:
             conn.execute(QUEUE, {**params, "body": body, "urgent": urgent})

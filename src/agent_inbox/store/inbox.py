@@ -260,10 +260,13 @@ WITH clock AS (
       FROM changed GROUP BY user_id
 )
 SELECT took.user_id, took.gen, clock.now, coalesce(tally.died, 0), coalesce(tally.unfinished, 0),
+       CASE WHEN row_number() OVER (PARTITION BY took.user_id ORDER BY claimed.id) = 1
+            THEN m.doc END,  -- the user's memory (store/memory.py), on its first row only
        claimed.*
   FROM took JOIN picked ON picked.user_id = took.user_id CROSS JOIN clock
        LEFT JOIN tally ON tally.user_id = took.user_id
        LEFT JOIN claimed ON claimed."user" = took.user_id
+       LEFT JOIN memory m ON m.user_id = took.user_id
  ORDER BY picked.waiting_since, picked.first_wake, claimed.id
 """
 
@@ -280,16 +283,17 @@ def take_work(conn, holder: str, ttl: int, policy: ClaimPolicy, now: int | None,
 
 
 def read_taken(cursor) -> list[tuple]:
-    """One (user, gen, claimed_at, died, unfinished, events) per user taken,
-    longest waiting first; empty if no user with claimable work has a free lease.
-    `died` counts the events this claim parked as dead, `unfinished` the events
-    claimed again after a run that ended without a finish."""
+    """One (user, gen, claimed_at, died, unfinished, memory, events) per user
+    taken, longest waiting first; empty if no user with claimable work has a
+    free lease. `died` counts the events this claim parked as dead,
+    `unfinished` the events claimed again after a run that ended without a
+    finish; `memory` is the user's memory document (None if it has none)."""
     taken: dict[str, tuple] = {}
     for row in cursor.fetchall():
-        user, gen, claimed_at, died, unfinished = row[:5]
-        events = taken.setdefault(user, (user, gen, claimed_at, died, unfinished, []))[5]
-        if row[5] is not None:
-            events.append(Event(*row[5:]))
+        user, gen, claimed_at, died, unfinished, memory = row[:6]
+        events = taken.setdefault(user, (user, gen, claimed_at, died, unfinished, memory, []))[6]
+        if row[6] is not None:
+            events.append(Event(*row[6:]))
     return list(taken.values())
 
 
@@ -350,6 +354,23 @@ WITH clock AS (
      WHERE verdict.ok AND verdict.forget AND verdict.error IS NULL
        AND s.user_id = verdict.user_id
        AND s.event_ids && string_to_array(verdict.events, ',')::bigint[]
+), recalled AS (  -- the memory a successful run leaves (store/memory.py): a document
+                  -- replaces the user's, a NULL one deletes it
+    SELECT verdict.user_id, mm.doc, run.holder, run.gen
+      FROM unnest(%(memory_runs)s::bigint[], %(memory_docs)s::text[]) AS mm(n, doc)
+      JOIN verdict ON verdict.n = mm.n JOIN run ON run.n = mm.n
+     WHERE verdict.ok AND verdict.error IS NULL
+), remembered AS (
+    INSERT INTO memory AS m (user_id, doc, updated_at, updated_by, gen)
+    SELECT r.user_id, r.doc::jsonb, clock.now, r.holder, r.gen
+      FROM recalled r, clock
+     WHERE r.doc IS NOT NULL
+     ORDER BY r.user_id
+        ON CONFLICT (user_id) DO UPDATE
+       SET doc = excluded.doc, updated_at = excluded.updated_at,
+           updated_by = excluded.updated_by, gen = excluded.gen
+), forgotten AS (
+    DELETE FROM memory m USING recalled r WHERE r.doc IS NULL AND m.user_id = r.user_id
 ), queued AS (
     INSERT INTO outbox (user_id, body, urgent, created)
     SELECT verdict.user_id, m.body, m.urgent, clock.now
@@ -405,13 +426,17 @@ class Finish:
     # if it succeeds; False only where none can exist (a first attempt that
     # recorded none).
     forget_steps: bool = True
+    # The user's memory as the run leaves it, if it succeeds: (json,) replaces
+    # it, (None,) deletes it, None keeps it.
+    memory: tuple[str | None] | None = None
 
 
 def send_finish(conn, finishes: list[Finish], now: int | None, *, release: bool = False):
     """Send FINISH without reading the verdicts (pipeline mode): read_verdicts."""
     params = {"users": [], "holders": [], "gens": [], "counts": [], "errors": [], "forgets": [],
               "keys": [], "event_runs": [], "event_users": [], "event_gens": [], "event_ids": [],
-              "message_runs": [], "bodies": [], "urgent": [], "now": now, "release": release}
+              "message_runs": [], "bodies": [], "urgent": [], "memory_runs": [],
+              "memory_docs": [], "now": now, "release": release}
     for n, f in enumerate(finishes, 1):
         for key, value in (("users", f.user), ("holders", f.holder), ("gens", f.gen),
                            ("counts", len(f.ids)), ("errors", f.error),
@@ -421,6 +446,9 @@ def send_finish(conn, finishes: list[Finish], now: int | None, *, release: bool 
         params["event_users"] += [f.user] * len(f.ids)
         params["event_gens"] += [f.gen] * len(f.ids)
         params["event_ids"] += f.ids
+        if f.error is None and f.memory is not None:
+            params["memory_runs"].append(n)
+            params["memory_docs"].append(f.memory[0])
         if f.error is None:
             params["message_runs"] += [n] * len(f.messages)
             params["bodies"] += [body for body, _ in f.messages]
