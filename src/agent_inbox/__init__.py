@@ -19,6 +19,7 @@ _EXPORTS = {
         "TransactionConflict", "LeaseLost", "UserBusy",
     ],
     "agent_inbox.handler": ["Context"],
+    "agent_inbox.permissions": ["ApprovalNeeded", "Permit"],
     "agent_inbox.inbox": ["Inbox"],
     "agent_inbox.runs": ["Run"],
     "agent_inbox.records": ["Event", "Lease", "OutboxMessage", "Timer"],
@@ -48,6 +49,7 @@ if TYPE_CHECKING:
                                     PermanentSendError, SchemaNotAtHead, StepMismatch,
                                     StepRefused, TransactionConflict, LeaseLost, UserBusy)
     from agent_inbox.handler import Context
+    from agent_inbox.permissions import ApprovalNeeded, Permit
     from agent_inbox.inbox import Inbox
     from agent_inbox.records import Event, Lease, OutboxMessage, Timer
     from agent_inbox.result import ApprovalRequest, Message, Result, TimerRequest

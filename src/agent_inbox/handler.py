@@ -30,6 +30,7 @@ from typing import Any, Callable
 from agent_inbox import errors
 from agent_inbox.records import Event
 from agent_inbox.result import Result
+from agent_inbox.permissions import ApprovalNeeded, Permit, RunPermits
 from agent_inbox.steps import NO_RUN, RunSteps
 
 
@@ -91,6 +92,24 @@ class Context:
     # The user's memory document as the run's claim read it (None: none yet);
     # Result(memory=...) replaces it in the run's finish.
     memory: Any = field(default=None, repr=False)
+    permits: RunPermits | None = field(default=None, repr=False)
+
+    async def permit(self, tool: str, args: Any = None) -> Permit:
+        """Whether this call of `tool` with `args` may run: Permit.ALLOW or
+        Permit.DENY, decided by the policies and recorded (permissions.py); a
+        rule that asks ends the run with an approval request (ApprovalNeeded)."""
+        return await self._permits().ask_async(tool, args)
+
+    def permit_sync(self, tool: str, args: Any = None) -> Permit:
+        """`permit` for a plain (thread) handler."""
+        return self._permits().ask(tool, args)
+
+    def _permits(self) -> RunPermits:
+        if self.permits is None:
+            raise errors.AgentInboxError(
+                "ctx.permit needs a run: call it from a handler the worker runs, or make the "
+                "context with Inbox.context(run)")
+        return self.permits
 
     async def step(self, name: str, fn: Callable, /, *args, **kwargs) -> Any:
         """`fn(*args, **kwargs)` (awaited if it returns an awaitable), called
@@ -146,6 +165,8 @@ def call(handler: Callable, batch: list[Event], ctx: Context,
             outcome = await_on(outcome)
     except KeyboardInterrupt:
         raise
+    except ApprovalNeeded as needed:  # a permit that asks: the run ends with the request
+        return Result(approvals=[needed.request])
     except BaseException as exc:  # SystemExit, CancelledError: still the run's error
         return Result(error=describe(exc))
     return as_result(outcome)
@@ -158,6 +179,8 @@ async def call_async(handler: Callable, batch: list[Event], ctx: Context) -> Res
         outcome = await handler(batch, ctx)
     except asyncio.CancelledError:
         raise
+    except ApprovalNeeded as needed:  # a permit that asks: the run ends with the request
+        return Result(approvals=[needed.request])
     except BaseException as exc:
         return Result(error=describe(exc))
     return as_result(outcome)

@@ -13,6 +13,7 @@ from typing import Any
 
 from agent_inbox import citus, db, errors, metrics, validate
 from agent_inbox.delivery import Delivery
+from agent_inbox.permissions import Permissions
 from agent_inbox.records import EVENT_STATUSES, ClaimPolicy, Event, SendPolicy
 from agent_inbox.runs import Run, Runs
 from agent_inbox.scheduling import Scheduling
@@ -29,12 +30,13 @@ DEFAULT_MAX_MEMORY_BYTES = 256 << 10
 INGEST_CHUNK = 1000
 
 
-class Inbox(Runs, Scheduling, Delivery):
+class Inbox(Runs, Scheduling, Delivery, Permissions):
     """Durable per-user inboxes, leases, timers, approvals and outboxes.
 
     The per-user inbox, lease, claim and finish are here; the run-level calls of
-    the worker runtime (runs.py), timers and approvals (scheduling.py) and the
-    outbox (delivery.py) are mixed in from their own modules."""
+    the worker runtime (runs.py), timers and approvals (scheduling.py), the
+    outbox (delivery.py) and permissions (permissions.py) are mixed in from
+    their own modules."""
 
     def __init__(self, pool, *, max_attempts: int = 3, lease_ttl: int = 120,
                  outbox_gap: int = 3600, max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES,

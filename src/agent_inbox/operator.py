@@ -206,6 +206,37 @@ def add_parsers(commands) -> None:
     _add_now(clear)
     clear.set_defaults(run=cmd_memory_clear)
 
+    policy = commands.add_parser("policy", help="what ctx.permit answers for a tool",
+                                 description="Rules that decide whether an agent's tool call "
+                                             "may run: allow, deny, or ask (an approval request).")
+    policy_commands = policy.add_subparsers(dest="policy_command", required=True,
+                                            metavar="{set,clear,list,decisions}")
+    for verb, text in (("set", "set the rule for a tool (`*`: every tool) of a user or the "
+                               "default; applies to every call decided after it"),
+                       ("clear", "remove a rule"),
+                       ("list", "a user's rules, or the default rules")):
+        command = _parser(policy_commands, verb, text,
+                          f"{text[0].upper()}{text[1:]}. A call takes the user's rule for the "
+                          "tool, else the user's `*`, else the default's for the tool, else the "
+                          "default `*`, else deny. Changes are recorded in the audit table.")
+        scope = command.add_mutually_exclusive_group(required=True)
+        scope.add_argument("--user", type=_text)
+        scope.add_argument("--default", action="store_true", help="the rules for every user")
+        if verb != "list":
+            command.add_argument("--tool", type=_text, required=True)
+        if verb == "set":
+            command.add_argument("answer", choices=("allow", "deny", "ask"))
+            command.add_argument("--ask-expires-in", type=_seconds, default=86400,
+                                 help="how long an 'ask' approval waits (default 24h)")
+            _add_now(command)
+        command.set_defaults(run={"set": cmd_policy_set, "clear": cmd_policy_clear,
+                                  "list": cmd_policy_list}[verb])
+    decided = _parser(policy_commands, "decisions", "the answers a user's runs were given, "
+                                                     "newest first")
+    decided.add_argument("--user", type=_text, required=True)
+    _add_limit(decided, "decisions")
+    decided.set_defaults(run=cmd_policy_decisions)
+
     audit = _parser(commands, "audit", "operators' recorded repairs, newest first",
                     "Every dead requeue and discard, recorded in the transaction that made it: "
                     "who, when, which event, and what it was before.")
@@ -367,6 +398,52 @@ def _change_memory(args: argparse.Namespace, name: str, doc) -> int:
           f"user={args.user!r}", file=sys.stderr, flush=True)
     _emit(args, {"user": args.user, "memory": doc},
           f"memory of user {args.user!r} " + ("cleared" if doc is None else "replaced"))
+    return 0
+
+
+@_command("policy-set")
+def cmd_policy_set(args: argparse.Namespace, name: str) -> int:
+    with _opened(args, name) as inbox:
+        inbox.set_policy(args.tool, args.answer, user=args.user, actor=_actor(),
+                         ask_expires_in=args.ask_expires_in, now=args.now)
+    scope = f"user {args.user!r}" if args.user else "the default"
+    _emit(args, {"user": args.user, "tool": args.tool, "answer": args.answer},
+          f"{scope}: {args.tool} -> {args.answer}")
+    return 0
+
+
+@_command("policy-clear")
+def cmd_policy_clear(args: argparse.Namespace, name: str) -> int:
+    with _opened(args, name) as inbox:
+        cleared = inbox.clear_policy(args.tool, user=args.user, actor=_actor())
+    scope = f"user {args.user!r}" if args.user else "the default"
+    _emit(args, {"user": args.user, "tool": args.tool, "cleared": cleared},
+          f"{scope}: rule for {args.tool} " + ("removed" if cleared else "not found"))
+    return 0 if cleared else 1
+
+
+@_command("policy-list")
+def cmd_policy_list(args: argparse.Namespace, name: str) -> int:
+    with _opened(args, name) as inbox:
+        rules = inbox.policies(args.user)
+    rows = [[r["tool"], r["answer"], r["ask_expires_in"] if r["answer"] == "ask" else None,
+             tables.when(r["updated_at"]), r["updated_by"]] for r in rules]
+    scope = f"user {args.user!r}" if args.user else "the default"
+    text = (tables.format_table(["tool", "answer", "ask waits (s)", "updated", "by"], rows)
+            if rules else f"{scope} has no rules")
+    _emit(args, {"user": args.user, "rules": rules}, text)
+    return 0
+
+
+@_command("policy-decisions")
+def cmd_policy_decisions(args: argparse.Namespace, name: str) -> int:
+    with _opened(args, name) as inbox:
+        decisions = inbox.permit_decisions(args.user, limit=args.limit)
+    rows = [[tables.when(d["at"]), d["tool"], d["answer"], d["rule"], d["gen"],
+             d["args_digest"][:12]] for d in decisions]
+    text = (tables.format_table(["at", "tool", "answer", "rule", "gen", "args"], rows)
+            if decisions else f"user {args.user!r} has no decisions")
+    _emit(args, {"user": args.user, "decisions": decisions}, text)
     return 0
 
 

@@ -321,10 +321,11 @@ class Runs:
 
     def context(self, run: Run, *, max_step_bytes: int | None = None) -> Context:
         """A handler's context for `run`, taken without a worker (take_work,
-        claim_batch): its durable steps are read and recorded through this
-        Inbox, one transaction per record."""
+        claim_batch): its memory as the claim read it, and its durable steps
+        and permit calls through this Inbox, one transaction each."""
         limit = self.max_payload_bytes if max_step_bytes is None else max_step_bytes
         ctx = Context(run.user, run.holder, run.gen, memory=run.memory)
+        ctx.permits = self._direct_permits(run.user, run.holder, run.gen)
         ctx.steps = RunSteps(run.user, run.holder, run.gen, [e.id for e in run.events],
                              may_resume=any(e.attempts > 1 for e in run.events),
                              journal=DirectJournal(self, run.user, [e.id for e in run.events]),
