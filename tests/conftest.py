@@ -1,17 +1,16 @@
-"""A real PostgreSQL for every test, and an isolated database per test.
-
-The server: AGENT_INBOX_TEST_DATABASE_URL if set; else a testcontainers
-PostgreSQL when a Docker engine answers a quick probe; else a throwaway cluster
-started from the local PostgreSQL binaries. Each test gets a fresh database
-copied from a migrated template (CREATE DATABASE ... TEMPLATE), dropped after.
+"""A real PostgreSQL for every test, and an isolated database per test: the
+fixtures of agent-inbox's own pytest plugin (agent_inbox.testing, which users'
+tests get too): the server from AGENT_INBOX_TEST_DATABASE_URL, else a
+testcontainers PostgreSQL when a Docker engine answers a quick probe, else a
+throwaway cluster from the local PostgreSQL binaries; each test a fresh
+database copied from a migrated template, dropped after; `inbox` and
+`make_inbox` on it. Here under the names the suite uses (`server_url`,
+`database_url`).
 """
-
-import contextlib
-import os
 
 import pytest
 
-from agent_inbox import Inbox, migrate, pgserver
+from agent_inbox import pgserver
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -21,48 +20,15 @@ def pytest_configure(config):
     config.option.reportchars = (config.option.reportchars or "") + "s"
 
 
-def _docker_engine_answers() -> bool:
-    try:
-        import docker
-
-        client = docker.from_env(timeout=2)
-        try:
-            return bool(client.ping())
-        finally:
-            client.close()
-    except Exception:
-        return False
-
-
 @pytest.fixture(scope="session")
-def server_url():
-    url = os.environ.get("AGENT_INBOX_TEST_DATABASE_URL")
-    if url:
-        yield url
-    elif _docker_engine_answers():
-        from testcontainers.postgres import PostgresContainer
-
-        with PostgresContainer("postgres:15", driver=None) as container:
-            yield container.get_connection_url()
-    else:
-        with pgserver.TemporaryCluster() as cluster:
-            yield cluster.url
-
-
-@pytest.fixture(scope="session")
-def template_name(server_url):
-    url = pgserver.create_database(server_url, prefix="agent_inbox_template")
-    migrate.upgrade(url)
-    yield pgserver.conninfo.conninfo_to_dict(url)["dbname"]
-    pgserver.drop_database(url)
+def server_url(agent_inbox_server):
+    return agent_inbox_server
 
 
 @pytest.fixture
-def database_url(server_url, template_name):
+def database_url(agent_inbox_database):
     """A fresh, migrated database for this test alone."""
-    url = pgserver.create_database(server_url, prefix="agent_inbox_test", template=template_name)
-    yield url
-    pgserver.drop_database(url)
+    return agent_inbox_database
 
 
 @pytest.fixture
@@ -71,20 +37,3 @@ def empty_database_url(server_url):
     url = pgserver.create_database(server_url, prefix="agent_inbox_empty")
     yield url
     pgserver.drop_database(url)
-
-
-@pytest.fixture
-def inbox(database_url):
-    with Inbox.connect(database_url, pool_size=4) as opened:
-        yield opened
-
-
-@pytest.fixture
-def make_inbox(database_url):
-    """Open more Inbox objects on the test's database (one per simulated process)."""
-    with contextlib.ExitStack() as stack:
-        def make(**options) -> Inbox:
-            options.setdefault("pool_size", 1)
-            return stack.enter_context(Inbox.connect(database_url, **options))
-
-        yield make

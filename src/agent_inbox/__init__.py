@@ -18,6 +18,7 @@ _EXPORTS = {
         "PayloadTooLarge", "PermanentSendError", "SchemaNotAtHead", "StepMismatch", "StepRefused",
         "TransactionConflict", "LeaseLost", "UserBusy",
     ],
+    "agent_inbox.app": ["App", "Limit"],
     "agent_inbox.handler": ["Context"],
     "agent_inbox.permissions": ["ApprovalNeeded", "Permit"],
     "agent_inbox.inbox": ["Inbox"],
@@ -48,6 +49,7 @@ if TYPE_CHECKING:
                                     InvalidTimer, PartlyDone, PayloadTooLarge,
                                     PermanentSendError, SchemaNotAtHead, StepMismatch,
                                     StepRefused, TransactionConflict, LeaseLost, UserBusy)
+    from agent_inbox.app import App, Limit
     from agent_inbox.handler import Context
     from agent_inbox.permissions import ApprovalNeeded, Permit
     from agent_inbox.inbox import Inbox

@@ -30,6 +30,7 @@ from typing import Any, Callable
 from agent_inbox import errors
 from agent_inbox.records import Event
 from agent_inbox.result import Result
+from agent_inbox.app import as_app
 from agent_inbox.permissions import ApprovalNeeded, Permit, RunPermits
 from agent_inbox.steps import NO_RUN, RunSteps
 
@@ -227,17 +228,21 @@ RUN_STARTED = "started"
 DEATHS_BEFORE_START = 3
 
 
-# A handler process's durable steps go through its worker (PipeJournal): it
-# asks with (STEPS_ASKED,) or (STEP_RECORDED, record) and waits for
-# ("ok", answer), ("refused", message) or ("failed", message).
+# A handler process asks its worker what only the worker can answer (its run's
+# durable steps, its permit calls): it sends (STEPS_ASKED,), (STEP_RECORDED,
+# record) or (PERMIT_ASKED, question) and waits for ("ok", answer),
+# ("refused", message) or ("failed", message).
 STEPS_ASKED = "steps?"
 STEP_RECORDED = "step"
+PERMIT_ASKED = "permit?"
+QUESTIONS = (STEPS_ASKED, STEP_RECORDED, PERMIT_ASKED)
 
 
-class PipeJournal:
-    """A quarantined run's step journal: each read and record asked of the
-    worker over the process's pipe (one run at a time, so one question at a
-    time), answered once the worker's completer has read or committed it."""
+class WorkerLink:
+    """A quarantined run's questions to its worker, over the process's pipe
+    (one run at a time, so one question at a time), answered once the worker's
+    completer has read, committed or decided it. It is the run's step journal
+    (steps.Journal) and its permit asker."""
 
     def __init__(self, conn):
         self._conn = conn
@@ -257,21 +262,29 @@ class PipeJournal:
     def record(self, record) -> None:
         self._ask(STEP_RECORDED, record)
 
-    async def recorded_async(self):  # the process runs this run alone: waiting blocks no other
+    def permit(self, question):
+        return self._ask(PERMIT_ASKED, question)
+
+    # The process runs this run alone: a wait blocks no other run.
+    async def recorded_async(self):
         return self.recorded()
 
     async def record_async(self, record) -> None:
         self.record(record)
 
+    async def permit_async(self, question):
+        return self.permit(question)
 
-def _answer_step(question: tuple, ctx: Context) -> tuple[str, Any]:
-    """The worker's side of PipeJournal: the answer to a quarantined run's question."""
-    journal = ctx.steps.journal
+
+def _answer_question(question: tuple, ctx: Context) -> tuple[str, Any]:
+    """The worker's side of WorkerLink: the answer to a quarantined run's question."""
     try:
         if question[0] == STEPS_ASKED:
-            return "ok", journal.recorded()
-        journal.record(question[1])
-        return "ok", None
+            return "ok", ctx.steps.journal.recorded()
+        if question[0] == STEP_RECORDED:
+            ctx.steps.journal.record(question[1])
+            return "ok", None
+        return "ok", ctx.permits.decide(question[1])
     except errors.StepRefused as exc:
         return "refused", str(exc)
     except Exception as exc:
@@ -284,28 +297,36 @@ def _serve_runs(reference: str, conn, parent: int) -> None:
     event loop that lives as long as the process."""
     _exit_with_parent(parent)
     loop = asyncio.new_event_loop()
+
+    def await_on(outcome):
+        return loop.run_until_complete(awaited(outcome))
+
+    app, problem = None, None
     try:
-        target = load(reference)
-    except errors.AgentInboxError as exc:
-        target, problem = None, str(exc)
+        app = as_app(load(reference), reference)
+        app.start(await_on)  # before its first run, once for the process
+    except Exception as exc:  # every run of this process then ends with this error
+        app, problem = None, f"the handler process could not start: {describe(exc)}"
+    link = WorkerLink(conn)
     while True:
         try:
             batch, user, holder, gen, step_limit, memory = conn.recv()
         except EOFError:
-            return
+            break
         # lease_lost is never set here: the process is stopped instead
         ctx = Context(user=user, holder=holder, gen=gen, memory=memory)
-        if step_limit is not None:  # a run with a journal in the worker
+        if step_limit is not None:  # a worker's run: steps and permits go to the worker
             ctx.steps = RunSteps(user, holder, gen, [e.id for e in batch],
                                  may_resume=any(e.attempts > 1 for e in batch),
-                                 journal=PipeJournal(conn), max_result_bytes=step_limit)
+                                 journal=link, max_result_bytes=step_limit)
+            ctx.permits = RunPermits(user, holder, gen, link.permit, link.permit_async)
         conn.send(RUN_STARTED)
         started = time.monotonic()
-        if target is None:
-            result = Result(error=problem)
-        else:
-            result = call(target, batch, ctx, lambda outcome: loop.run_until_complete(awaited(outcome)))
+        result = (Result(error=problem) if app is None
+                  else call(app.handler, batch, ctx, await_on))
         conn.send((result, time.monotonic() - started))
+    if app is not None:
+        app.stop(await_on)
 
 
 @dataclass(frozen=True)
@@ -379,9 +400,8 @@ class HandlerProcess:
                 if message == RUN_STARTED:
                     running = True
                     continue
-                if isinstance(message, tuple) and message[:1] in ((STEPS_ASKED,),
-                                                                  (STEP_RECORDED,)):
-                    conn.send(_answer_step(message, ctx))
+                if isinstance(message, tuple) and message and message[0] in QUESTIONS:
+                    conn.send(_answer_question(message, ctx))
                     continue
                 if message is not None:
                     return message

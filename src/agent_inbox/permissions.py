@@ -88,6 +88,11 @@ class RunPermits:
                 {"tool": ask.tool, "args": args, "rule": decision.rule}))
         return Permit(decision.answer)
 
+    def decide(self, question: PermitAsk) -> Decision | None:
+        """The decision for a checked question (a quarantine process's, asked
+        over its pipe, is decided here in the worker)."""
+        return self._asker(question)
+
     def ask(self, tool: str, args: Any) -> Permit:
         question = self._question(tool, args)
         return self._answer(question, args, self._asker(question))

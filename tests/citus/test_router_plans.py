@@ -11,7 +11,7 @@ import pytest
 
 from agent_inbox import citus
 from agent_inbox.records import ClaimPolicy
-from agent_inbox.store import bucketed, inbox, lease, memory, outbox, steps, timers
+from agent_inbox.store import bucketed, inbox, lease, memory, outbox, policies, steps, timers
 
 POLICY = ClaimPolicy(max_attempts=3, backoff_base=5, backoff_cap=300, max_batch=100).params()
 ALICE = {"bucket": citus.bucket("alice"), "user": "alice", "now": None}
@@ -41,7 +41,7 @@ STATEMENTS = {
     "finish: delivery due": (bucketed.PACED, ALICE),
     "finish: work left": (bucketed.WORK_LEFT, ALICE),
     "release, give back: the fence": (bucketed.EXPIRE, {**RUN}),
-    "release: the events": (bucketed.MARK_RELEASED, {**RUN, "at": 0, "at_once": True}),
+    "release: the events": (bucketed.MARK_RELEASED, {**RUN, "at": 0, "at_once": True, "spare": False}),
     "give back: the claims": (bucketed.UNDO_CLAIM, {**RUN, "unfinished": False}),
     "timers: due in a bucket": (bucketed.RIPE_IN_BUCKET, {**ALICE, "limit": 10}),
     "timers: advance": (timers.ADVANCE, {"user": "alice", "timer_id": "t", "due": 0,
@@ -76,6 +76,15 @@ STATEMENTS = {
     "memory: delete": (memory.DELETE, {"user": "alice"}),
     "memory: read": (memory.GET, {"user": "alice"}),
     "memory: an operator's lock": (memory.OPERATOR_LOCK, {"user": "alice", "now": None}),
+    "permit: decide": (policies.DECIDE, {**RUN, "tool": "t", "request_id": "permit:t:0"}),
+    "permit: record": (policies.RECORD, {**RUN, "tool": "t", "digest": "0", "answer": "deny",
+                                          "rule": "none"}),
+    "policy: a user's rule": (policies.SET_USER, {"user": "alice", "tool": "t",
+                                                  "answer": "deny", "ask_expires_in": 60,
+                                                  "actor": "ops", "now": None}),
+    "policy: the change's record": (policies.RECORD_CHANGE, {"user": "alice", "actor": "ops",
+                                                             "action": "policy_set",
+                                                             "detail": "{}", "now": None}),
 }
 
 # Statements Citus runs in steps (an INSERT ... SELECT from parameters),
