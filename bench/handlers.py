@@ -7,6 +7,13 @@ event ids of the batch, the producer timestamps carried in W2 payloads
 `agent_async` (W5) and `agent_sync` (W5s) stand for an agent waiting on a model or a
 tool: they wait AGENT_SLEEP seconds (`await asyncio.sleep`, resp. `time.sleep`;
 $BENCH_AGENT_SLEEP, default 1.0) between their start and end, and record the same.
+
+`agent_steps` (W5x3) is an agent whose run is BENCH_STEPS durable steps (default 3), each
+`await ctx.step(...)` of a function that awaits asyncio.sleep(BENCH_STEP_SLEEP) (default
+0.3 s). Its record adds, per step, the step's cost: the time `ctx.step` took minus the
+time its function took (both measured here, perf_counter), i.e. what recording the
+result (queueing it to the completer, its batched commit, the wake-up) added; and how
+many step functions this attempt called.
 """
 
 import asyncio
@@ -50,4 +57,33 @@ def agent_sync(batch, ctx):
     start = time.time()
     time.sleep(AGENT_SLEEP)
     _record(batch, ctx, start, time.time())
+    return Result()
+
+
+STEPS = int(os.environ.get("BENCH_STEPS", "3"))
+STEP_SLEEP = float(os.environ.get("BENCH_STEP_SLEEP", "0.3"))
+
+
+async def agent_steps(batch, ctx):
+    start = time.time()
+    costs, calls = [], 0
+    for n in range(STEPS):
+        took = []
+
+        async def call(n=n):
+            t = time.perf_counter()
+            await asyncio.sleep(STEP_SLEEP)
+            took.append(time.perf_counter() - t)
+            return n
+
+        t = time.perf_counter()
+        await ctx.step(f"s{n}", call)
+        total = time.perf_counter() - t
+        if took:
+            calls += 1
+            costs.append(total - took[0])
+    records.write("ours", {"u": ctx.user, "g": ctx.gen, "h": ctx.holder, "p": os.getpid(),
+                           "a": max((e.attempts for e in batch), default=0),
+                           "ids": [e.id for e in batch], "t0": [None] * len(batch),
+                           "s": start, "e": time.time(), "sc": costs, "calls": calls})
     return Result()

@@ -62,6 +62,13 @@ FULL = {
             "conn_cap": 64, "ours_extra_args": None,
             "peer_variants": [{"concurrency": 200, "timeout": 30},
                               {"concurrency": 200, "threads": 200}]},
+    # W5x3 (agent-inbox only: procrastinate has no durable steps): W5's shape, each run
+    # three `await ctx.step(...)` of 0.3 s each; ideal 1,000 runs/s (concurrency / `sleep`
+    # = 1 s a run, the issue's reference; the sleeps alone are 0.9 s).
+    "w5x3": {"systems": ["ours"], "users": 10000, "concurrency": 1000, "handler": "steps",
+             "steps": 3, "step_sleep": 0.3, "sleep": 1.0, "lease_ttl": 60, "timeout": 120,
+             "stall_s": 30, "rss_cap_mib": 4096, "conn_cap": 64, "ours_extra_args": None,
+             "peer_variants": []},
 }
 
 QUICK = {
@@ -87,6 +94,13 @@ QUICK = {
             "conn_cap": 64, "ours_extra_args": None,
             "peer_variants": [{"concurrency": 200, "timeout": 20},
                               {"concurrency": 200, "threads": 200}]},
+    # W5x3 (agent-inbox only: procrastinate has no durable steps): W5's shape, each run
+    # three `await ctx.step(...)` of 0.3 s each; ideal 1,000 runs/s (concurrency / `sleep`
+    # = 1 s a run, the issue's reference; the sleeps alone are 0.9 s).
+    "w5x3": {"systems": ["ours"], "users": 3000, "concurrency": 1000, "handler": "steps",
+             "steps": 3, "step_sleep": 0.3, "sleep": 1.0, "lease_ttl": 60, "timeout": 60,
+             "stall_s": 20, "rss_cap_mib": 4096, "conn_cap": 64, "ours_extra_args": None,
+             "peer_variants": []},
 }
 
 # The agent-inbox runtime with a connection per slot (it lists `--isolation`) opens up to
@@ -140,7 +154,7 @@ def _brief(result: dict) -> str:
     keys = ["tps", "commits_per_s", "events_per_s", "events_per_s_drain", "runs_per_s", "p50_ms",
             "p99_ms", "max_ms", "median_ms", "server_ms", "drain_s", "runs_per_s_drain",
             "ratio_to_ideal", "runs_per_s_upto_stop", "peak_rss_mib", "peak_connections",
-            "peak_runs_at_once"]
+            "peak_runs_at_once", "runs_per_s_from_spawn", "step_cost_p50_ms", "step_cost_p99_ms"]
     text = ", ".join(f"{k}={result[k]:.2f}" for k in keys if isinstance(result.get(k), (int, float))
                      and not isinstance(result.get(k), bool))
     if "outcome" in result:
@@ -187,7 +201,7 @@ def run_all(cfg: dict, server_url: str, only: set | None, budget_s: float | None
         concurrency=cfg["ours_concurrency" if system == "ours" else "concurrency"])
     started = time.monotonic()
     ceiling_url = ours_url = peer_url = None
-    needs_dbs = any(wanted(w) for w in ("w1", "w1b", "w2", "w3", "w5", "w5s"))
+    needs_dbs = any(wanted(w) for w in ("w1", "w1b", "w2", "w3", "w5", "w5s", "w5x3"))
     if needs_dbs:
         ours_url = ours_database(server_url)
         peer_url = peer_database(server_url)
@@ -199,7 +213,7 @@ def run_all(cfg: dict, server_url: str, only: set | None, budget_s: float | None
     w4_reserve = 60.0 if wanted("w4") else 0.0
     last_rep = 0.0
     agent_args = {}
-    for name in ("w5", "w5s"):
+    for name in ("w5", "w5s", "w5x3"):
         if wanted(name):
             if "ours" not in cfg[name]["systems"]:
                 continue
@@ -263,14 +277,15 @@ def run_all(cfg: dict, server_url: str, only: set | None, budget_s: float | None
             for conns in (1, k):
                 c.attempt(f"w3_batch_{conns}c_nodedupe", "peer", wl.w3_peer, peer_url, events,
                           distinct, mode="batch", conns=conns, batch=b, dedupe=False)
-        for name in ("w5", "w5s"):
+        for name in ("w5", "w5s", "w5x3"):
             if not wanted(name):
                 continue
             w5 = {k: v for k, v in cfg[name].items()
                   if k not in ("ours_extra_args", "peer_variants", "systems")}
             variants = cfg[name]["peer_variants"]
-            log(f"{name}: {w5['users']} users x 1 event, handler {w5['handler']} sleep "
-                f"{w5['sleep']} s, 1 worker process; agent-inbox "
+            log(f"{name}: {w5['users']} users x 1 event, handler {w5['handler']} "
+                + (f"{w5['steps']} steps x {w5['step_sleep']} s" if w5.get("steps")
+                   else f"sleep {w5['sleep']} s") + ", 1 worker process; agent-inbox "
                 + (f"concurrency {w5['concurrency']} {agent_args[name]}" if agent_args.get(name)
                    is not None else "not run")
                 + (f", procrastinate {[wl.peer_variant_name(v) for v in variants]}"
@@ -440,7 +455,7 @@ def build_rows(c: Collector, cfg: dict, extra: dict) -> list[dict]:
                 c.summary(ours_name, "ours", "events_per_s"), peer,
                 note="ours column repeats the deduplicated ingest_many figure")
 
-    for name in ("w5", "w5s"):
+    for name in ("w5", "w5s", "w5x3"):
         if name in c.runs:
             agent_rows(c, cfg, extra, name, row)
 
@@ -526,6 +541,14 @@ def agent_rows(c: Collector, cfg: dict, extra: dict, name: str, row) -> None:
         s("ours", "peak_runs_at_once"), s(best, "peak_runs_at_once"))
     row(name, f"start-up, worker spawn -> first handler{tag}", "s", "lower", s("ours", "startup_s"),
         s(best, "startup_s"))
+    if w.get("steps"):
+        row(name, "runs/s from spawn (worker spawn -> all done)", "runs/s", "higher",
+            s("ours", "runs_per_s_from_spawn"))
+        row(name, f"runs/s / sleeps alone (concurrency / {w['steps']} x {w['step_sleep']:g} s)",
+            "x", "higher", s("ours", "ratio_to_sleep_ideal"))
+        for p in ("p50", "p90", "p99", "max"):
+            row(name, f"step cost {p} (ctx.step minus its function, every step)", "ms",
+                "lower", s("ours", f"step_cost_{p}_ms"))
     for v in w["peer_variants"]:
         key = "peer_" + wl.peer_variant_name(v)
         if key not in c.runs[name]:
@@ -591,7 +614,7 @@ def main(argv=None) -> int:
     parser.add_argument("--server-url", default=DEFAULT_SERVER,
                         help="a maintenance database on the PostgreSQL server to use")
     parser.add_argument("--only", default=None,
-                        help="comma-separated subset: ceiling,w1,w1b,w2,w3,w4,w4b,w5,w5s")
+                        help="comma-separated subset: ceiling,w1,w1b,w2,w3,w4,w4b,w5,w5s,w5x3")
     parser.add_argument("--scaling", action="store_true",
                         help="W1 at 1, 2, 4, 8 worker processes for both systems; writes "
                              "bench/results/scaling.json and w1_scaling.png")
@@ -640,7 +663,7 @@ def main(argv=None) -> int:
     only = set(args.only.split(",")) if args.only else None
     if args.budget_min is None and not args.quick:
         # W5/W5s add ~4 min per repetition
-        args.budget_min = 40.0 if only is None or only & {"w5", "w5s"} else 25.0
+        args.budget_min = 40.0 if only is None or only & {"w5", "w5s", "w5x3"} else 25.0
     started = time.monotonic()
     info = machine(args.server_url)
     log(f"{'quick' if args.quick else 'full'} run, {cfg['reps']} rep(s), nproc {info['nproc']}, "
@@ -669,14 +692,16 @@ def main(argv=None) -> int:
     print(f"agent-inbox {code['git']} src {code['sha256']}"
           f"{' (uncommitted: ' + ', '.join(code['uncommitted']) + ')' if code['uncommitted'] else ''}"
           f"{'' if info['agent_inbox_code_at_end'] == code else '; src CHANGED during the run, see extra.code_per_rep'}")
-    for name in ("w5", "w5s"):
+    for name in ("w5", "w5s", "w5x3"):
         if name in c.runs:
             w = cfg[name]
             ours = (f"agent-inbox --concurrency {w['concurrency']} --lease-ttl {w['lease_ttl']:g} "
                     f"{' '.join(extra.get(name + '_ours_extra_args') or [])}"
                     f"{' from ' + cfg['ours_src'] if cfg.get('ours_src') else ''}"
                     if "ours" in w["systems"] else "agent-inbox not run")
-            print(f"{name}: {w['users']} users x 1 event, handler {w['handler']} sleep {w['sleep']:g} s, "
+            what = (f"{w['steps']} steps x {w['step_sleep']:g} s (ideal from {w['sleep']:g} s a run)"
+                    if w.get("steps") else f"sleep {w['sleep']:g} s")
+            print(f"{name}: {w['users']} users x 1 event, handler {w['handler']} {what}, "
                   f"ONE worker process; {ours}")
     print(f"medians of {extra.get('reps_done', cfg['reps'])} run(s) (of {cfg['reps']} planned) "
           f"[min-max]; (h)/(l): higher/lower is better; load average 1 min at start "

@@ -564,7 +564,8 @@ def server_execution_ms(explain_text: str) -> float | None:
 
 # --- W5 / W5s: many slow (1 s) handlers at once in ONE worker process ------------------------------
 
-OURS_HANDLERS = {"async": "bench.handlers:agent_async", "sync": "bench.handlers:agent_sync"}
+OURS_HANDLERS = {"async": "bench.handlers:agent_async", "sync": "bench.handlers:agent_sync",
+                 "steps": "bench.handlers:agent_steps"}
 PEER_TASKS = {"async": AGENT_TASK, "sync": AGENT_SYNC_TASK}
 
 
@@ -595,21 +596,27 @@ def _open_done_query(system: str) -> str:
 def agents(system: str, url: str, *, users: int, concurrency: int, handler: str, sleep: float,
            lease_ttl: float, timeout: float, stall_s: float, rss_cap_mib: float,
            conn_cap: int | None, poll: float = 1.0, extra_args: list | None = None,
-           threads: int | None = None, interval: float = 0.1) -> dict:
+           threads: int | None = None, interval: float = 0.1, steps: int = 0,
+           step_sleep: float = 0.0) -> dict:
     """users x 1 event preloaded (ours: ingest_many; peer: batch_defer_jobs, lock=<user>),
     then ONE worker process at `concurrency` whose handler waits `sleep` s (handler
     "async": await asyncio.sleep; "sync": time.sleep). A TreeSampler samples the worker's
     process tree (RSS, processes, threads) and its connections every `interval` s.
     The wait is bounded: `timeout` s in all, `stall_s` s without a run finishing, the
     tree's RSS (`rss_cap_mib`) and connections (`conn_cap`): the first bound hit ends the
-    run and is its `outcome` ("drained" when all work was done)."""
+    run and is its `outcome` ("drained" when all work was done).
+    Handler "steps" (W5x3, agent-inbox only): each run is `steps` durable steps that each
+    await `step_sleep` s; `sleep` is then only the run time the ideal is computed from."""
     res = resources()
     if system == "ours":
         reset_ours(url)
+        if handler == "steps":
+            sql(url, "TRUNCATE steps")
         expected = _preload_ours(url, users, 1)
         vacuum_analyze(url, "events", "leases", "wakes")
         w = Workers("ours", url, 1, concurrency, poll, res.tempdir("rec"), res.tempdir("log"),
-                    env={**OURS_ENV, "BENCH_AGENT_SLEEP": str(sleep)},
+                    env={**OURS_ENV, "BENCH_AGENT_SLEEP": str(sleep), "BENCH_STEPS": str(steps),
+                         "BENCH_STEP_SLEEP": str(step_sleep)},
                     handler=OURS_HANDLERS[handler],
                     extra_args=["--lease-ttl", str(lease_ttl), *(extra_args or [])])
     else:
@@ -670,6 +677,18 @@ def agents(system: str, url: str, *, users: int, concurrency: int, handler: str,
         check.update(not_done=not_done, takes=int(takes), events_claimed_more_than_once=reclaimed)
         # ours must drain: a bound hit is a failure
         check["ok"] = check["ok"] and not_done == 0 and drained
+        if handler == "steps":
+            # each step called once: every event handled by one run (above), claimed once
+            # (an attempt that died before its record would have raised `attempts`), and
+            # that run called all its step functions; a successful finish deletes its
+            # records, so none may be left
+            dead = scalar(url, "SELECT count(*) FROM events WHERE status = 'dead'")
+            left = scalar(url, "SELECT count(*) FROM steps")
+            short = sum(1 for r in recs if r.get("calls") != steps)
+            check.update(dead=dead, steps_left=left, runs_not_calling_every_step=short,
+                         step_calls=sum(r.get("calls", 0) for r in recs))
+            check["ok"] = (check["ok"] and dead == 0 and left == 0 and short == 0
+                           and reclaimed == 0)
     else:
         not_done = scalar(url, "SELECT count(*) FROM procrastinate_jobs WHERE status <> 'succeeded'")
         check.update(not_done=not_done)
@@ -705,4 +724,20 @@ def agents(system: str, url: str, *, users: int, concurrency: int, handler: str,
             live += d
             peak = max(peak, live)
         out["peak_runs_at_once"] = peak
+        costs = sorted(c for r in recs for c in r.get("sc", ()))
+        if costs:
+            out.update(steps_per_run=steps, step_sleep_s=step_sleep, step_samples=len(costs),
+                       step_cost_p50_ms=1000 * percentile(costs, 50),
+                       step_cost_p90_ms=1000 * percentile(costs, 90),
+                       step_cost_p99_ms=1000 * percentile(costs, 99),
+                       step_cost_max_ms=1000 * costs[-1],
+                       step_cost_mean_ms=1000 * sum(costs) / len(costs),
+                       runs_per_s_from_spawn=runs / (t_end - w.spawned_at),
+                       # against the runs' sleeps alone (no cost at all per step)
+                       ratio_to_sleep_ideal=(runs / busy / (concurrency / (steps * step_sleep))
+                                             if drained else None))
+            for n in range(steps):
+                at = sorted(r["sc"][n] for r in recs if len(r.get("sc", ())) > n)
+                out[f"step{n + 1}_cost_p50_ms"] = 1000 * percentile(at, 50)
+                out[f"step{n + 1}_cost_p99_ms"] = 1000 * percentile(at, 99)
     return out
