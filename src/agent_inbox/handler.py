@@ -16,8 +16,10 @@ quarantine, see worker/): a run that kills its process kills only itself.
 """
 
 import asyncio
+import functools
 import importlib
 import inspect
+import logging
 import multiprocessing
 import os
 import threading
@@ -94,6 +96,15 @@ class Context:
     # Result(memory=...) replaces it in the run's finish.
     memory: Any = field(default=None, repr=False)
     permits: RunPermits | None = field(default=None, repr=False)
+    # Which attempt this run is at its events (1: the first claim), and when
+    # the worker stops it (epoch seconds by this host's clock; None: no limit).
+    attempt: int = 1
+    deadline: float | None = None
+
+    @functools.cached_property
+    def log(self) -> logging.LoggerAdapter:
+        """A logger whose lines name this run's user and generation."""
+        return RunLog(logging.getLogger("agent_inbox.run"), {"user": self.user, "gen": self.gen})
 
     async def permit(self, tool: str, args: Any = None) -> Permit:
         """Whether this call of `tool` with `args` may run: Permit.ALLOW or
@@ -131,6 +142,11 @@ class Context:
         if self.steps is None:
             raise errors.AgentInboxError(NO_RUN)
         return self.steps
+
+
+class RunLog(logging.LoggerAdapter):
+    def process(self, msg, kwargs):
+        return f"user={self.extra['user']} gen={self.extra['gen']}: {msg}", kwargs
 
 
 def load(reference: str, *, what: str = "handler") -> Callable:

@@ -324,7 +324,8 @@ class Runs:
         claim_batch): its memory as the claim read it, and its durable steps
         and permit calls through this Inbox, one transaction each."""
         limit = self.max_payload_bytes if max_step_bytes is None else max_step_bytes
-        ctx = Context(run.user, run.holder, run.gen, memory=run.memory)
+        ctx = Context(run.user, run.holder, run.gen, memory=run.memory,
+                      attempt=max((e.attempts for e in run.events), default=1))
         ctx.permits = self._direct_permits(run.user, run.holder, run.gen)
         ctx.steps = RunSteps(run.user, run.holder, run.gen, [e.id for e in run.events],
                              may_resume=any(e.attempts > 1 for e in run.events),
