@@ -20,7 +20,7 @@ PartlyDone with what it did on the others.
 import asyncio
 from dataclasses import dataclass
 
-from agent_inbox import citus, db, errors, validate
+from agent_inbox import citus, db, errors, limits, validate
 from agent_inbox.handler import Context
 from agent_inbox.records import Event
 from agent_inbox.result import ApprovalRequest, Message, Result, TimerRequest
@@ -316,9 +316,10 @@ class Runs:
     def context(self, run: Run, *, max_step_bytes: int | None = None) -> Context:
         """A handler's context for `run`, taken without a worker (take_work,
         claim_batch): its durable steps are read and recorded through this
-        Inbox, one transaction per record."""
+        Inbox, one transaction per record; its limits (`ctx.limit`) through
+        this process's limiter on this Inbox."""
         limit = self.max_payload_bytes if max_step_bytes is None else max_step_bytes
-        ctx = Context(run.user, run.holder, run.gen)
+        ctx = Context(run.user, run.holder, run.gen, limiter=limits.limiter_for(self))
         ctx.steps = RunSteps(run.user, run.holder, run.gen, [e.id for e in run.events],
                              may_resume=any(e.attempts > 1 for e in run.events),
                              journal=DirectJournal(self, run.user, [e.id for e in run.events]),
