@@ -9,7 +9,7 @@ import logging
 import os
 import sys
 
-from agent_inbox import db, errors, operator
+from agent_inbox import db, errors, limits_command, operator
 from agent_inbox.console import command as console_command
 from agent_inbox.ingest import command as ingest_command
 
@@ -329,6 +329,7 @@ def build_parser() -> argparse.ArgumentParser:
     ingest_command.add_parser(commands)
     console_command.add_parser(commands)
     operator.add_parsers(commands)
+    limits_command.add_parser(commands)
     return parser
 
 

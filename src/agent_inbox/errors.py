@@ -114,3 +114,15 @@ class StepRefused(LeaseLost):
     """A step's record was refused by the run's fence: the lease is no longer
     this run's (it expired, or another worker took the user over). The run is
     stopped as for a lost lease; nothing it returns will commit."""
+
+
+class UnknownLimit(InvalidInput):
+    """`ctx.limit(name)` named a limit the database does not hold: make it with
+    `agent-inbox limits set NAME --rate N --per SECONDS` (or declare it in the
+    app). Nothing was taken."""
+
+
+class CostAboveBurst(InvalidInput):
+    """`ctx.limit(name, cost)` asked for more at once than the limit's burst
+    (its bucket never holds that many): the call could never be granted, so it
+    fails at once. Nothing was taken."""

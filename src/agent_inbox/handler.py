@@ -85,7 +85,9 @@ class Context:
     """What a handler knows about its run (see `LeaseLost` for `lease_lost`),
     and its durable steps (steps.py): `await ctx.step(name, fn, *args)` in an
     async handler, `ctx.step_sync(name, fn, *args)` in a plain one, and
-    `ctx.step_key(name)`, the idempotency key of the next call of `name`."""
+    `ctx.step_key(name)`, the idempotency key of the next call of `name`;
+    and the fleet's limits (limits.py): `await ctx.limit(name, cost=1)`, or
+    `ctx.limit_sync(name, cost=1)` in a plain handler."""
 
     user: str
     holder: str
@@ -100,6 +102,8 @@ class Context:
     # the worker stops it (epoch seconds by this host's clock; None: no limit).
     attempt: int = 1
     deadline: float | None = None
+    # limits.Limiter (the worker's), or a PipeLimiter in a quarantine process
+    limiter: Any = field(default=None, repr=False)
 
     @functools.cached_property
     def log(self) -> logging.LoggerAdapter:
@@ -138,6 +142,23 @@ class Context:
         way on every attempt: a provider's idempotency key."""
         return self._steps().key(name)
 
+    async def limit(self, name: str, cost: int = 1) -> None:
+        """Wait until the fleet's limit `name` lets `cost` tokens through
+        (first come, first served; the run holds no connection meanwhile).
+        errors.UnknownLimit if the database has no such limit,
+        errors.CostAboveBurst if `cost` is above its burst: nothing is taken."""
+        await self._limiter().acquire(name, cost)
+
+    def limit_sync(self, name: str, cost: int = 1) -> None:
+        """`limit` for a plain (thread) handler: blocks until let through (or
+        the run is stopped: limits.LimitAbandoned)."""
+        self._limiter().acquire_blocking(name, cost, abandoned=self.lease_lost.is_set)
+
+    def _limiter(self):
+        if self.limiter is None:
+            raise errors.AgentInboxError(NO_LIMITER)
+        return self.limiter
+
     def _steps(self) -> RunSteps:
         if self.steps is None:
             raise errors.AgentInboxError(NO_RUN)
@@ -147,6 +168,11 @@ class Context:
 class RunLog(logging.LoggerAdapter):
     def process(self, msg, kwargs):
         return f"user={self.extra['user']} gen={self.extra['gen']}: {msg}", kwargs
+
+
+NO_LIMITER = ("ctx.limit needs a limiter: the worker sets one on every run's context "
+              "(Inbox.context does too); a Context made by hand has none (set ctx.limiter = "
+              "limits.limiter_for(inbox))")
 
 
 def load(reference: str, *, what: str = "handler") -> Callable:
@@ -251,6 +277,10 @@ DEATHS_BEFORE_START = 3
 STEPS_ASKED = "steps?"
 STEP_RECORDED = "step"
 PERMIT_ASKED = "permit?"
+# ... and its limits (PipeLimiter): (LIMIT_ASKED, name, cost), answered with
+# ("ok", None) once the worker's limiter let it through, or ("refused",
+# (error class name, field, value, problem)), or ("failed", message).
+LIMIT_ASKED = "limit"
 QUESTIONS = (STEPS_ASKED, STEP_RECORDED, PERMIT_ASKED)
 
 
@@ -292,6 +322,45 @@ class WorkerLink:
         return self.permit(question)
 
 
+class PipeLimiter:
+    """A quarantined run's limits: each call waits on the worker's limiter,
+    over the process's pipe. One limiter per worker process, whichever way its
+    runs are executed: its callers queue together in arrival order, and the
+    quarantine process needs no connection of its own."""
+
+    def __init__(self, conn):
+        self._conn = conn
+
+    def acquire_blocking(self, name: str, cost: int = 1, **_) -> None:
+        self._conn.send((LIMIT_ASKED, name, cost))
+        verdict, answer = self._conn.recv()
+        if verdict == "refused":
+            kind, *details = answer
+            raise getattr(errors, kind, errors.InvalidInput)(*details)
+        if verdict == "failed":
+            raise errors.AgentInboxError(answer)
+
+    async def acquire(self, name: str, cost: int = 1) -> None:  # the process runs this run alone
+        self.acquire_blocking(name, cost)
+
+
+def _answer_limit(question: tuple, ctx: Context, process) -> tuple[str, Any]:
+    """The worker's side of PipeLimiter: wait on the worker's limiter (in the
+    thread that serves this quarantined run) until it lets the call through,
+    the run is stopped or the process dies."""
+    _, name, cost = question
+    try:
+        ctx._limiter().acquire_blocking(
+            name, cost, abandoned=lambda: ctx.lease_lost.is_set() or not process.is_alive())
+        return "ok", None
+    except errors.InvalidInput as exc:
+        message = str(exc)  # "{field} {problem} (got {value!r})"
+        problem = message[len(exc.field) + 1:message.rfind(" (got ")]
+        return "refused", (type(exc).__name__, exc.field, exc.value, problem)
+    except Exception as exc:
+        return "failed", f"{type(exc).__name__}: {exc}"
+
+
 def _answer_question(question: tuple, ctx: Context) -> tuple[str, Any]:
     """The worker's side of WorkerLink: the answer to a quarantined run's question."""
     try:
@@ -326,11 +395,13 @@ def _serve_runs(reference: str, conn, parent: int) -> None:
     link = WorkerLink(conn)
     while True:
         try:
-            batch, user, holder, gen, step_limit, memory = conn.recv()
+            batch, user, holder, gen, step_limit, memory, limited = conn.recv()
         except EOFError:
             break
         # lease_lost is never set here: the process is stopped instead
         ctx = Context(user=user, holder=holder, gen=gen, memory=memory)
+        if limited:  # the worker has a limiter: ctx.limit asks it
+            ctx.limiter = PipeLimiter(conn)
         if step_limit is not None:  # a worker's run: steps and permits go to the worker
             ctx.steps = RunSteps(user, holder, gen, [e.id for e in batch],
                                  may_resume=any(e.attempts > 1 for e in batch),
@@ -388,7 +459,8 @@ class HandlerProcess:
             started = time.monotonic()
             try:
                 step_limit = ctx.steps.max_result_bytes if ctx.steps else None
-                conn.send((batch, ctx.user, ctx.holder, ctx.gen, step_limit, ctx.memory))
+                conn.send((batch, ctx.user, ctx.holder, ctx.gen, step_limit, ctx.memory,
+                           ctx.limiter is not None))
             except OSError:  # it died after the check: nothing ran yet
                 self.stop()
                 continue
@@ -418,6 +490,9 @@ class HandlerProcess:
                     continue
                 if isinstance(message, tuple) and message and message[0] in QUESTIONS:
                     conn.send(_answer_question(message, ctx))
+                    continue
+                if isinstance(message, tuple) and message[:1] == (LIMIT_ASKED,):
+                    conn.send(_answer_limit(message, ctx, process))
                     continue
                 if message is not None:
                     return message

@@ -21,7 +21,7 @@ import asyncio
 from dataclasses import dataclass
 from typing import Any
 
-from agent_inbox import citus, db, errors, validate
+from agent_inbox import citus, db, errors, limits, validate
 from agent_inbox.handler import Context
 from agent_inbox.records import Event
 from agent_inbox.result import KEEP, ApprovalRequest, Message, Result, TimerRequest
@@ -321,11 +321,13 @@ class Runs:
 
     def context(self, run: Run, *, max_step_bytes: int | None = None) -> Context:
         """A handler's context for `run`, taken without a worker (take_work,
-        claim_batch): its memory as the claim read it, and its durable steps
-        and permit calls through this Inbox, one transaction each."""
+        claim_batch): its memory as the claim read it; its durable steps and
+        permit calls through this Inbox, one transaction each; its limits
+        (`ctx.limit`) through this process's limiter on this Inbox."""
         limit = self.max_payload_bytes if max_step_bytes is None else max_step_bytes
         ctx = Context(run.user, run.holder, run.gen, memory=run.memory,
-                      attempt=max((e.attempts for e in run.events), default=1))
+                      attempt=max((e.attempts for e in run.events), default=1),
+                      limiter=limits.limiter_for(self))
         ctx.permits = self._direct_permits(run.user, run.holder, run.gen)
         ctx.steps = RunSteps(run.user, run.holder, run.gen, [e.id for e in run.events],
                              may_resume=any(e.attempts > 1 for e in run.events),

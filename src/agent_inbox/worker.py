@@ -43,7 +43,7 @@ import weakref
 from dataclasses import dataclass
 from typing import Callable
 
-from agent_inbox import blame, db, errors, executors, handler, metrics, supervisor, validate
+from agent_inbox import blame, db, errors, executors, handler, limits, metrics, supervisor, validate
 from agent_inbox.handler import Context, Crashed
 from agent_inbox.inbox import Inbox
 from agent_inbox.result import Result
@@ -229,7 +229,8 @@ class Worker:
         return flights
 
     def _flight(self, run: Run, taken_at: float) -> InFlight:
-        flight = InFlight(run, Context(run.user, run.holder, run.gen, memory=run.memory), taken_at)
+        flight = InFlight(run, Context(run.user, run.holder, run.gen, memory=run.memory,
+                                       limiter=limits.limiter_for(self.inbox)), taken_at)
         flight.ctx.steps = RunSteps(run.user, run.holder, run.gen, [e.id for e in run.events],
                                     may_resume=any(e.attempts > 1 for e in run.events),
                                     journal=WorkerJournal(self, flight),
