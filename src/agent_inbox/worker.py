@@ -31,6 +31,7 @@ Invariants kept here:
 
 import asyncio
 import concurrent.futures
+import enum
 import logging
 import math
 import os
@@ -80,25 +81,53 @@ def holder_id() -> str:
     return f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(4)}"
 
 
+class State(enum.StrEnum):
+    """Where a run is, from its take to its commit (see MOVES)."""
+
+    TAKEN = "taken"      # taken, its handler not started
+    RUNNING = "running"  # its handler started
+    ENDED = "ended"      # its handler returned: a result to commit
+    STOPPED = "stopped"  # lost, timed out, crashed, shut down: to release or give back
+
+
+# The moves a run's state may make, and the only ones: ENDED and STOPPED are
+# final, and a run reaches one of them once, so it reports exactly one ending.
+MOVES: dict[State, tuple[State, ...]] = {
+    State.TAKEN: (State.RUNNING, State.STOPPED),
+    State.RUNNING: (State.ENDED, State.STOPPED),
+    State.ENDED: (),
+    State.STOPPED: (),
+}
+GOING = (State.TAKEN, State.RUNNING)  # what --concurrency counts
+
+
 @dataclass(eq=False)
 class InFlight:
     """One run from its take to its commit: all the worker keeps of it.
 
-    state: taken (not started) -> running -> ended (a result to commit), or
-    -> stopped (lost, timed out, crashed, shut down: to release or give back).
-    It leaves the table once the completer has written its ending."""
+    Its state moves only along MOVES (`move`, under the worker's guard); it
+    leaves the table once the completer has written its one ending."""
 
     run: Run
     ctx: Context
     lease_renewed: float  # host monotonic time just before its lease was last extended
-    state: str = "taken"
+    state: State = State.TAKEN
     deadline: float = float("inf")  # monotonic time past which it is stopped
     cancel: Callable[[], None] | None = None  # stops its handler, where that can be done
+    reported: bool = False  # its ending went to the completer (once: see Worker._report)
 
     @property
     def label(self) -> str:
         run = self.run
         return f"user={run.user} holder={run.holder} gen={run.gen}"
+
+    def move(self, to: State) -> bool:
+        """Move to `to` if the state allows it (the caller holds the worker's
+        guard): False when it does not, e.g. a run stopped meanwhile."""
+        if to not in MOVES[self.state]:
+            return False
+        self.state = to
+        return True
 
 
 @dataclass(frozen=True)
@@ -317,54 +346,67 @@ class Worker:
 
     def _begin(self, flight: InFlight) -> bool:
         with self._guard:
-            if flight.state != "taken":
+            if not flight.move(State.RUNNING):
                 return False
-            flight.state = "running"
             flight.deadline = time.monotonic() + self.run_timeout
             self._ran = True
             return True
 
     def _ended(self, flight: InFlight, outcome, seconds: float) -> None:
-        with self._guard:
-            if flight.state != "running":
-                return  # stopped meanwhile: its ending is on its way
-            flight.state = "ended"
-            self._executing -= 1
-            self._guard.notify_all()
+        if self._settle(flight, State.ENDED) is None:
+            return  # stopped meanwhile: its ending is on its way
         metrics.RUN_SECONDS.observe(seconds)
         if isinstance(outcome, Crashed):
             log.warning("quarantine run crashed %s: %s", flight.label, outcome.error)
-            self._endings.put(Ending(flight, "release", error=outcome.error))
+            self._report(Ending(flight, "release", error=outcome.error))
             return
         if outcome is None:  # an async handler cancelled by something else than the worker
             outcome = Result(error="the handler's task was cancelled")
-        self._endings.put(Ending(flight, "finish", result=outcome))
+        self._report(Ending(flight, "finish", result=outcome))
 
     def stop_run(self, flight: InFlight, reason: str) -> bool:
         """Stop a run not yet ended: `lost` (its lease is gone), `timed out`,
         `not started` (it could not be), or `shutdown`. Its handler is told
         and, where possible, stopped; the completer releases its lease (or
         gives it back if it never started)."""
-        with self._guard:
-            if flight.state not in ("taken", "running"):
-                return False
-            started, flight.state = flight.state == "running", "stopped"
-            self._executing -= 1
-            self._guard.notify_all()
+        was = self._settle(flight, State.STOPPED)
+        if was is None:
+            return False
         flight.ctx.lease_lost.set()
         if flight.cancel is not None:
             flight.cancel()
         if reason == "lost":
             ending = Ending(flight, "lost")
-        elif not started:
+        elif was is State.TAKEN:
             ending = Ending(flight, "give_back")
         elif reason == "timed out":
             ending = Ending(flight, "release",
                             error=f"the run timed out after {self.run_timeout:g} s")
         else:
             ending = Ending(flight, "release", at_once=True)
-        self._endings.put(ending)
+        self._report(ending)
         return True
+
+    def _settle(self, flight: InFlight, to: State) -> State | None:
+        """Move a run that goes on to its final state (ENDED or STOPPED), which
+        frees its place: the state it left, None if it had settled already."""
+        with self._guard:
+            was = flight.state
+            if not flight.move(to):
+                return None
+            self._executing -= 1
+            self._guard.notify_all()
+            return was
+
+    def _report(self, ending: Ending) -> None:
+        """Hand a settled run's ending to the completer: the one way an ending
+        goes there, exactly once per run."""
+        flight = ending.flight
+        if flight.state not in (State.ENDED, State.STOPPED) or flight.reported:
+            raise RuntimeError(f"a second ending, or one before its run settled: {flight.label} "
+                               f"{flight.state}: {ending.kind}")
+        flight.reported = True
+        self._endings.put(ending)
 
     # --- the completer -------------------------------------------------------------------
 
@@ -638,7 +680,7 @@ class Worker:
         """Extend every lease in flight in one statement; stop the runs whose
         lease is lost (refused, or failing for longer than the TTL)."""
         with self._guard:
-            flights = [f for f in self._flights.values() if f.state in ("taken", "running", "ended")]
+            flights = [f for f in self._flights.values() if f.state is not State.STOPPED]
         if not flights:
             return
         asked = time.monotonic()
@@ -655,7 +697,8 @@ class Worker:
             key = flight.run.key
             if key in renewed:
                 flight.lease_renewed = asked
-            elif flight.state != "ended" and (key not in unknown or not self._may_hold(flight)):
+            elif (flight.state is not State.ENDED
+                  and (key not in unknown or not self._may_hold(flight))):
                 if self.stop_run(flight, "lost"):
                     log.warning("lease lost %s (renewal %s)", flight.label,
                                 "failed past the TTL" if key in unknown else "refused")
@@ -666,9 +709,9 @@ class Worker:
         may have lapsed by this host's clock (renewals failing)."""
         now = time.monotonic()
         with self._guard:
-            going = [f for f in self._flights.values() if f.state in ("taken", "running")]
+            going = [f for f in self._flights.values() if f.state in GOING]
         for flight in going:
-            if flight.state == "running" and flight.deadline < now:
+            if flight.state is State.RUNNING and flight.deadline < now:
                 if self._held_up(flight):
                     continue
                 if self.stop_run(flight, "timed out"):
@@ -711,7 +754,7 @@ class Worker:
             return False
         self.recycled = True
         with self._guard:
-            going = sum(1 for f in self._flights.values() if f.state in ("taken", "running"))
+            going = sum(1 for f in self._flights.values() if f.state in GOING)
         log.warning("memory: the runtime's RSS is %.0f MiB, past --max-memory %d MiB: recycling "
                     "it: no more takes, runs in flight: %d (given --grace %g s to end), then a "
                     "fresh runtime starts", rss, self.max_memory, going, self.grace)
@@ -829,15 +872,15 @@ class Worker:
         """Runs not started are given back now; running ones get the grace
         period to end, then are stopped and released; then the completer drains."""
         with self._guard:
-            waiting = [f for f in self._flights.values() if f.state == "taken"]
+            waiting = [f for f in self._flights.values() if f.state is State.TAKEN]
         for flight in waiting:
             self.stop_run(flight, "shutdown")
         deadline = time.monotonic() + self.grace
         with self._guard:
-            while (any(f.state == "running" for f in self._flights.values())
+            while (any(f.state is State.RUNNING for f in self._flights.values())
                    and time.monotonic() < deadline):
                 self._guard.wait(min(0.1, max(0.0, deadline - time.monotonic())))
-            running = [f for f in self._flights.values() if f.state == "running"]
+            running = [f for f in self._flights.values() if f.state is State.RUNNING]
         for flight in running:
             self.stop_run(flight, "shutdown")
         with self._guard:
