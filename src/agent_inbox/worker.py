@@ -209,7 +209,7 @@ class Worker:
         self._stats = dict.fromkeys(stats.FIELDS, 0)
         self.loop = executors.EventLoop(slot)  # slot: the run stepping, for the supervisor
         # first attempts: on the loop (async def) or a thread each
-        self._executor = (self.loop if handler.is_async(self.handler)
+        self._executor: executors.Executor = (self.loop if handler.is_async(self.handler)
                           else executors.Threads(self.loop))
         self.quarantine = executors.Quarantine(handler_reference, quarantine)
         # --max-memory (MiB): past it, the runtime stops taking work, lets its
@@ -336,13 +336,18 @@ class Worker:
         if not flight.run.events:  # only exhausted events were due: they are dead now
             if self._begin(flight):
                 self._ended(flight, Result(), 0.0)
-        elif flight.run.unfinished:
+            return
+        self._executor_for(flight).run(self.handler, flight, self._begin, self._ended)
+
+    def _executor_for(self, flight: InFlight) -> executors.Executor:
+        """Where a run runs: in quarantine if its last attempt ended without a
+        finish, else on the loop (async def) or a thread (plain)."""
+        if flight.run.unfinished:
             log.info("run in quarantine %s: %d events whose last run ended without a finish",
                      flight.label, flight.run.unfinished)
             metrics.QUARANTINED.inc()
-            self.quarantine.run(flight, self._begin, self._ended)
-        else:
-            self._executor.run(self.handler, flight, self._begin, self._ended)
+            return self.quarantine
+        return self._executor
 
     def _begin(self, flight: InFlight) -> bool:
         with self._guard:
@@ -893,9 +898,9 @@ class Worker:
             return list(self._flights.values())
 
     def close(self) -> None:
-        """Stop the quarantine processes and the event loop."""
-        self.quarantine.close()
-        self.loop.close()
+        """Stop the executors: the quarantine processes, then the event loop."""
+        for executor in dict.fromkeys((self.quarantine, self._executor, self.loop)):
+            executor.close()
 
 
 def _step_failure(exc: Exception) -> Exception:
