@@ -166,7 +166,7 @@ def run_worker_runtime(args: argparse.Namespace, holder: str) -> int:
         # maybe while the server restarts, and must not end the worker for that.
         listen = listen_url(args, check=predecessor is None)
         slot = os.environ.get(supervisor.SLOT_ENV)
-        worker = Worker(inbox, args.handler, concurrency=args.concurrency,
+        worker = Worker(inbox, args.app or args.handler, concurrency=args.concurrency,
                         poll_interval=args.poll_interval, grace=args.grace,
                         run_timeout=args.run_timeout, quarantine=args.quarantine, holder=holder,
                         stop=stop, max_memory=args.max_memory,
@@ -270,8 +270,14 @@ def build_parser() -> argparse.ArgumentParser:
     demo.set_defaults(run=cmd_demo)
 
     worker = _service_parser(commands, "worker", "run handlers for users with work", 1.0)
-    worker.add_argument("--handler", default=env_default("handler"), required=not env_default("handler"),
-                        help="module:function called as handle(batch, ctx)")
+    agent = worker.add_mutually_exclusive_group(
+        required=not (env_default("handler") or env_default("app")))
+    agent.add_argument("--app", default=env_default("app"),
+                       help="module:attribute naming an agent_inbox.App (its handler, hooks and "
+                            "declared defaults)")
+    agent.add_argument("--handler", default=env_default("handler"),
+                       help="module:function called as handle(batch, ctx): an App of that "
+                            "handler alone")
     worker.add_argument("--concurrency", type=int, default=env_default("concurrency", 1),
                         help="users' runs at once in this process (default 1); the process uses "
                              "4 database connections whatever this is")

@@ -13,10 +13,11 @@
   long-lived processes, started on first use; a run that kills its process
   kills only itself, and a stopped run's process is killed.
 
-Every executor asks `begin(flight)` just before calling the handler (False: the
-run was given back or stopped meanwhile, so it must not start) and reports the
-end with `ended(flight, outcome, seconds)`: a `Result`, a `handler.Crashed`, or
-None when the run was stopped.
+Each is an `Executor`: `run(target, flight, begin, ended)` starts a run and
+returns at once; it asks `begin(flight)` just before calling the handler (False:
+the run was given back or stopped meanwhile, so it must not start) and reports
+the end with `ended(flight, outcome, seconds)`: a `Result`, a `handler.Crashed`,
+or None when the run was stopped. `close()` stops what it started.
 """
 
 import asyncio
@@ -28,7 +29,7 @@ import sys
 import threading
 import time
 import traceback
-from typing import Callable
+from typing import Callable, Protocol
 
 from agent_inbox import blame, handler
 
@@ -38,6 +39,17 @@ Ended = Callable[[object, object, float], None]
 Blocked = Callable[[object, float, str, bool], None]
 
 log = logging.getLogger("agent_inbox.worker")
+
+
+class Executor(Protocol):
+    """Where a run's handler runs (see the module's docstring)."""
+
+    def run(self, target: Callable, flight, begin: Begin, ended: Ended) -> None:
+        """Start `target` (the handler) on `flight`'s events, or return if
+        `begin(flight)` says no; report its end with `ended`."""
+
+    def close(self) -> None:
+        """Stop the executor's threads or processes (runs left are abandoned)."""
 
 # The run a task on the loop works for: set in the context of each run's task,
 # and so inherited by every task its handler starts (EventLoop maps tasks to it).
@@ -179,6 +191,9 @@ class Threads:
         threading.Thread(target=body, name=f"agent-inbox-run-{flight.run.user}"[:60],
                          daemon=True).start()
 
+    def close(self) -> None:
+        """Nothing to stop: a run's thread ends with its handler."""
+
 
 class Quarantine:
     """Up to `size` handler processes, each running one run at a time."""
@@ -189,7 +204,9 @@ class Quarantine:
         self._lanes: list[tuple[threading.Thread, handler.HandlerProcess]] = []
         self._guard = threading.Lock()
 
-    def run(self, flight, begin: Begin, ended: Ended) -> None:
+    def run(self, target: Callable, flight, begin: Begin, ended: Ended) -> None:
+        """Queue `flight` for the next free process, which imports the handler
+        by its reference (`target` is that handler, not sent)."""
         with self._guard:
             if len(self._lanes) < self.size:  # a lane's process starts with its first run
                 self._add_lane(begin, ended)

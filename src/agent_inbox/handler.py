@@ -32,7 +32,7 @@ from typing import Any, Callable
 from agent_inbox import errors
 from agent_inbox.records import Event
 from agent_inbox.result import Result
-from agent_inbox.app import as_app
+from agent_inbox.app import App, as_app
 from agent_inbox.permissions import ApprovalNeeded, Permit, RunPermits
 from agent_inbox.steps import NO_RUN, RunSteps
 
@@ -176,7 +176,8 @@ NO_LIMITER = ("ctx.limit needs a limiter: the worker sets one on every run's con
 
 
 def load(reference: str, *, what: str = "handler") -> Callable:
-    """`module:function` to the callable it names (a handler, or `what` else)."""
+    """`module:function` to the callable it names (a handler, or `what` else),
+    or to an App."""
     module_name, _, attribute = reference.partition(":")
     if not module_name or not attribute:
         raise errors.InvalidInput(what, reference, "must look like module:function")
@@ -186,7 +187,7 @@ def load(reference: str, *, what: str = "handler") -> Callable:
             target = getattr(target, part)
     except Exception as exc:  # an import that fails in any way is a reference that cannot load
         raise errors.InvalidInput(what, reference, f"cannot be loaded: {exc}") from None
-    if not callable(target):
+    if not callable(target) and not isinstance(target, App):
         raise errors.InvalidInput(what, reference, "is not callable")
     return target
 
@@ -395,11 +396,12 @@ def _serve_runs(reference: str, conn, parent: int) -> None:
     link = WorkerLink(conn)
     while True:
         try:
-            batch, user, holder, gen, step_limit, memory, limited = conn.recv()
+            batch, user, holder, gen, step_limit, memory, limited, deadline = conn.recv()
         except EOFError:
             break
         # lease_lost is never set here: the process is stopped instead
-        ctx = Context(user=user, holder=holder, gen=gen, memory=memory)
+        ctx = Context(user=user, holder=holder, gen=gen, memory=memory, deadline=deadline,
+                      attempt=max((e.attempts for e in batch), default=1))
         if limited:  # the worker has a limiter: ctx.limit asks it
             ctx.limiter = PipeLimiter(conn)
         if step_limit is not None:  # a worker's run: steps and permits go to the worker
@@ -460,7 +462,7 @@ class HandlerProcess:
             try:
                 step_limit = ctx.steps.max_result_bytes if ctx.steps else None
                 conn.send((batch, ctx.user, ctx.holder, ctx.gen, step_limit, ctx.memory,
-                           ctx.limiter is not None))
+                           ctx.limiter is not None, ctx.deadline))
             except OSError:  # it died after the check: nothing ran yet
                 self.stop()
                 continue

@@ -138,6 +138,21 @@ class Permissions:
             return policies.change(conn, user, tool, None, policies.DEFAULT_ASK_EXPIRES_IN,
                                    actor, now)
 
+    def declare_policies(self, rules: dict[str, str], *, actor: str = "app") -> list[str]:
+        """An app's default rules (tool -> answer), each stored only where the
+        database has no default rule for that tool yet (an operator's wins);
+        the tools stored."""
+        checked = {validate.text("tool", tool, MAX_TOOL_BYTES): check_answer(answer)
+                   for tool, answer in rules.items()}
+        stored = []
+        with db.transaction(self._pool) as conn:
+            for tool, answer in sorted(checked.items()):
+                if conn.execute(policies.DECLARE_DEFAULT, {
+                        "tool": tool, "answer": answer, "actor": actor, "now": None,
+                        "ask_expires_in": policies.DEFAULT_ASK_EXPIRES_IN}).fetchone():
+                    stored.append(tool)
+        return stored
+
     def policies(self, user: str | None = None) -> list[dict]:
         """A user's rules (None: the default rules), by tool."""
         user = None if user is None else validate.text("user", user)

@@ -21,7 +21,7 @@ attempt: pass it to a provider as its idempotency key, so that a step that ran
 but whose record was lost (the process died between the call and the commit)
 is not done twice by the provider either.
 
-Where records go is the run's `Journal`: the worker's (worker.py: records from
+Where records go is the run's `Journal`: the worker's (worker/completer.py: records from
 every run in flight committed together by the completer), an `Inbox`'s own
 (`DirectJournal`: one transaction per record, for code that runs a handler
 itself), or a quarantine process's pipe to its worker (handler.py).

@@ -102,6 +102,15 @@ VALUES (%(tool)s, %(answer)s, %(ask_expires_in)s, {NOW}, %(actor)s)
        updated_at = excluded.updated_at, updated_by = excluded.updated_by
 """
 
+# An app's default rule (App(policies=...)): stored only if the database has
+# no default rule for the tool yet, so an operator's rule wins over the code.
+DECLARE_DEFAULT = f"""
+INSERT INTO default_policies (tool, answer, ask_expires_in, updated_at, updated_by)
+VALUES (%(tool)s, %(answer)s, %(ask_expires_in)s, {NOW}, %(actor)s)
+    ON CONFLICT (tool) DO NOTHING
+RETURNING 1
+"""
+
 CLEAR_USER = "DELETE FROM policies p WHERE p.user_id = %(user)s AND p.tool = %(tool)s RETURNING 1"
 CLEAR_DEFAULT = "DELETE FROM default_policies d WHERE d.tool = %(tool)s RETURNING 1"
 
