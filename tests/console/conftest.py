@@ -4,10 +4,12 @@ headless Chromium (the machine's own, Debian's package) driven by Playwright.
 Tokens: ann (operator+approver), bea (approver), vic (viewer).
 """
 
+import http.cookiejar
 import os
 import re
 import subprocess
 import sys
+import urllib.parse
 import urllib.request
 
 import pytest
@@ -53,6 +55,15 @@ class ConsoleProcess:
         except urllib.error.HTTPError as exc:
             return exc.code, exc.read().decode()
 
+    def post(self, path: str, form: dict, token: str | None = None, timeout: float = 5.0):
+        """(status, body, Location) of a form POST, with a bearer token if given."""
+        return _send(_no_redirects(), self.url + path, form,
+                     {"Authorization": f"Bearer {token}"} if token else {}, timeout)
+
+    def session(self, name: str) -> "Session":
+        """A logged-in session of that token's name, as a browser holds one."""
+        return Session(self, name)
+
     def stop(self) -> None:
         self.process.terminate()
         try:
@@ -63,11 +74,51 @@ class ConsoleProcess:
         self.process.stderr.close()
 
 
-def _no_redirects():
+class Session:
+    """A browser's session over plain HTTP: the login form's cookie, and each
+    form's CSRF token read from the page the form is on."""
+
+    def __init__(self, console: ConsoleProcess, name: str):
+        self.console = console
+        self.opener = _no_redirects(urllib.request.HTTPCookieProcessor(http.cookiejar.CookieJar()))
+        status, _, _ = _send(self.opener, console.url + "/login",
+                             {"token": TOKENS[name][1], "next": "/"}, {}, 5.0)
+        assert status == 303, status
+
+    def get(self, path: str, timeout: float = 5.0):
+        try:
+            with self.opener.open(self.console.url + path, timeout=timeout) as answer:
+                return answer.status, answer.read().decode()
+        except urllib.error.HTTPError as exc:
+            return exc.code, exc.read().decode()
+
+    def csrf(self, path: str) -> str:
+        """The CSRF token in the page at `path` (every page has one: log out's)."""
+        status, body = self.get(path)
+        assert status == 200, (status, body[-500:])
+        return re.search(r'name="csrf" value="([^"]+)"', body).group(1)
+
+    def post(self, path: str, form: dict, timeout: float = 5.0):
+        """(status, body, Location) of a form POST."""
+        return _send(self.opener, self.console.url + path, form, {}, timeout)
+
+
+def _send(opener, url: str, form: dict, headers: dict, timeout: float):
+    data = urllib.parse.urlencode(form, doseq=True).encode()
+    request = urllib.request.Request(url, data=data, method="POST", headers={
+        "Content-Type": "application/x-www-form-urlencoded", **headers})
+    try:
+        with opener.open(request, timeout=timeout) as answer:
+            return answer.status, answer.read().decode(), answer.headers.get("Location")
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode(), exc.headers.get("Location")
+
+
+def _no_redirects(*handlers):
     class Keep(urllib.request.HTTPRedirectHandler):
         def redirect_request(self, *args, **kwargs):
             return None
-    return urllib.request.build_opener(Keep)
+    return urllib.request.build_opener(Keep, *handlers)
 
 
 @pytest.fixture

@@ -191,7 +191,7 @@ def test_a_late_second_approver_is_told_the_answer_that_stands(login, world):
 
 
 def test_every_page_needs_authentication(console, world):
-    for path in ("/", "/users", "/user?u=alice", "/dead", "/outbox", "/approvals",
+    for path in ("/", "/users", "/user?u=alice", "/dead", "/outbox", "/approvals", "/policies",
                  "/overview/chart.svg"):
         status, _ = console.get(path)
         assert status == 303, path  # to the login form

@@ -12,7 +12,7 @@ from tests.races import lock_waiters
 from tests.test_operator_cli import exhaust
 
 PAGES = ("/", "/api/overview", "/overview/chart.svg", "/users", "/users?q=al", "/user?u=alice",
-         "/user?u=bob", "/dead", "/outbox", "/approvals")
+         "/user?u=bob", "/dead", "/outbox", "/approvals", "/policies")
 
 
 @pytest.mark.parametrize("tokens, message", [

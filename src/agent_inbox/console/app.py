@@ -18,6 +18,7 @@ Database work is blocking psycopg, so every handler runs in the threadpool.
 
 import json
 import logging
+import re
 import urllib.parse
 from dataclasses import dataclass
 from importlib import resources
@@ -32,10 +33,11 @@ from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 from starlette.templating import Jinja2Templates
 
-from agent_inbox import db, errors, operator, tables
+from agent_inbox import db, errors, operator, tables, validate
 from agent_inbox.console import auth, queries
 from agent_inbox.console.auth import Authenticator, Principal
-from agent_inbox.store import admin, outbox, stats, steps
+from agent_inbox.store import admin, outbox, policies, stats, steps
+from agent_inbox.store import memory as memories
 
 log = logging.getLogger("agent_inbox.console")
 
@@ -52,6 +54,7 @@ SECURITY_HEADERS = [
 MAX_FORM = 256 * 1024  # bytes of a POST body: a page of checkboxes fits many times over
 MAX_PICKS = operator.CHUNK  # rows one repair may name
 DEAD_SHOWN = 200
+DECISIONS_SHOWN = 20
 
 
 @dataclass(frozen=True)
@@ -228,12 +231,21 @@ class Console:
             timers, timers_total = admin.timers(conn, user, queries.PAGE, None)
             approvals = queries.user_approvals(conn, user)
             recorded = steps.list_steps(conn, user, queries.PAGE)
+            memory = memories.get(conn, user)
+            rules = policies.rules(conn, user)
+            defaults = policies.rules(conn, None)
+            decisions = policies.decisions(conn, user, DECISIONS_SHOWN)
         more = len(events) > queries.PAGE
         events = events[:queries.PAGE]
+        if memory is not None:  # measured as its limit is (validate.payload): compact JSON
+            memory["size"] = len(json.dumps(memory["doc"], ensure_ascii=False,
+                                            separators=(",", ":")).encode())
         return self.render(request, principal, "user.html", user=user, lease=lease,
                            events=events, older=events[-1]["id"] if more else None, runs=runs,
                            messages=messages, timers=timers, timers_total=timers_total,
-                           approvals=approvals, steps=recorded,
+                           approvals=approvals, steps=recorded, memory=memory,
+                           memory_limit=self.inbox.max_memory_bytes, rules=rules,
+                           defaults=defaults, decisions=decisions,
                            now=lease["now"] if lease else None)
 
     # --- dead events -------------------------------------------------------------
@@ -313,9 +325,43 @@ class Console:
         return self.approvals(request, principal, form, notice=notice)
 
 
+    # --- permission rules ---------------------------------------------------------
+
+    def default_policies(self, request, principal, form) -> Response:
+        with db.connection(self.inbox.pool) as conn:
+            defaults = policies.rules(conn, None)
+        return self.render(request, principal, "policies.html", defaults=defaults)
+
+    def policy_set(self, request, principal, form) -> Response:
+        """Set a user's rule or a default one, as `agent-inbox policy set` does
+        (Inbox.set_policy: checked, audited as console:<name>)."""
+        user = _policy_scope(form)
+        tool = (_one(form, "tool") or "").strip()
+        answer = _action(form, policies.ANSWERS, field="answer")
+        expires_in = _duration("ask_expires_in", _one(form, "ask_expires_in"),
+                               policies.DEFAULT_ASK_EXPIRES_IN)
+        self.inbox.set_policy(tool, answer, user=user, ask_expires_in=expires_in,
+                              actor=principal.actor)
+        log.info("console policy set by %s: user=%r tool=%r answer=%s ask_expires_in=%d",
+                 principal.actor, user, tool, answer, expires_in)
+        return RedirectResponse(_rules_page(user), status_code=303)
+
+    def policy_clear(self, request, principal, form) -> Response:
+        user = _policy_scope(form)
+        tool = (_one(form, "tool") or "").strip()
+        cleared = self.inbox.clear_policy(tool, user=user, actor=principal.actor)
+        log.info("console policy clear by %s: user=%r tool=%r cleared=%s", principal.actor,
+                 user, tool, cleared)
+        if not cleared:
+            scope = "the defaults have" if user is None else f"user {user!r} has"
+            return self.refuse(request, principal, 404,
+                               f"{scope} no rule for tool {tool!r}: nothing was cleared")
+        return RedirectResponse(_rules_page(user), status_code=303)
+
+
 _PAST = {"requeue": "requeued", "discard": "discarded", "retry": "retried"}
 _VERBS = {"view": "view the console", "repair": "repair dead events or failed batches",
-          "approve": "answer approval requests"}
+          "approve": "answer approval requests", "policy": "set or clear permission rules"}
 
 
 def build_app(inbox, authenticator: Authenticator, settings: Settings = Settings()) -> Starlette:
@@ -339,6 +385,9 @@ def build_app(inbox, authenticator: Authenticator, settings: Settings = Settings
         Route("/outbox/apply", page("repair", console.failed_apply), methods=["POST"]),
         Route("/approvals", page("view", console.approvals)),
         Route("/approvals/answer", page("approve", console.answer), methods=["POST"]),
+        Route("/policies", page("view", console.default_policies)),
+        Route("/policies/set", page("policy", console.policy_set), methods=["POST"]),
+        Route("/policies/clear", page("policy", console.policy_clear), methods=["POST"]),
         Route("/healthz", lambda request: PlainTextResponse("ok")),
         Mount("/static", StaticFiles(directory=str(static)), name="static"),
     ]
@@ -395,6 +444,35 @@ def _bounded(picked: list) -> list:
     if len(picked) > MAX_PICKS:
         raise errors.InvalidInput("pick", len(picked), f"must name at most {MAX_PICKS} rows")
     return picked
+
+
+def _policy_scope(form: dict) -> str | None:
+    """The user whose rule a form changes, or None for the default rules."""
+    if _action(form, ("user", "default"), field="scope") == "default":
+        return None
+    return _one(form, "user") or ""  # Inbox checks it: must not be empty
+
+
+_DURATION = re.compile(r"([0-9]{1,12})([dhms]?)")
+_UNITS = {"d": 86400, "h": 3600, "m": 60, "s": 1, "": 1}
+
+
+def _duration(field: str, value: str | None, default: int) -> int:
+    """Seconds from '30d', '12h', '90m', '45s' or plain seconds, as the CLI's
+    --ask-expires-in takes them; `default` if not given."""
+    if value is None or not value.strip():
+        return default
+    found = _DURATION.fullmatch(value.strip())
+    if found is None or int(found.group(1)) == 0:
+        raise errors.InvalidInput(field, value, "must be a positive duration such as 3600, "
+                                                "90m, 12h or 30d")
+    return validate.positive_seconds(field, int(found.group(1)) * _UNITS[found.group(2)])
+
+
+def _rules_page(user: str | None) -> str:
+    if user is None:
+        return "/policies"
+    return f"/user?u={urllib.parse.quote(user, safe='')}#permissions"
 
 
 def _safe_next(request: Request, value: str | None = None) -> str:

@@ -12,7 +12,8 @@ one a line in --tokens-file). Roles, each a set of rights:
 
     viewer    view every page (payloads hidden with --hide-payloads-from-viewers)
     operator  view, and requeue/discard dead events, retry/discard failed batches
-    approver  view, and answer approval requests
+    approver  view, answer approval requests, and set or clear permission
+              rules (what ctx.permit answers: a user's and the defaults)
 
 A person with both duties holds `operator+approver`. Tokens are compared in
 constant time (hmac.compare_digest over every configured token).
@@ -35,7 +36,8 @@ from dataclasses import dataclass
 
 from agent_inbox import errors
 
-RIGHTS = {"viewer": {"view"}, "operator": {"view", "repair"}, "approver": {"view", "approve"}}
+RIGHTS = {"viewer": {"view"}, "operator": {"view", "repair"},
+          "approver": {"view", "approve", "policy"}}
 MIN_TOKEN = 16
 MIN_SECRET = 32
 COOKIE = "agent_inbox_console"

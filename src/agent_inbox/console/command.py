@@ -28,8 +28,9 @@ def add_parser(commands) -> argparse.ArgumentParser:
     parser = commands.add_parser(
         "console", help="serve the web console for operators and approvers",
         description="A server-rendered web console: overview, users, dead events, failed "
-                    "outbox batches and approvals. Tokens (name:role:token, roles viewer, "
-                    "operator, approver, or joined as operator+approver) come from "
+                    "outbox batches, approvals, and permission rules (approvers set them). "
+                    "Tokens (name:role:token, roles viewer, operator, approver, or joined "
+                    "as operator+approver) come from "
                     "AGENT_INBOX_CONSOLE_TOKENS (comma-separated) or --tokens-file (one a "
                     "line); sessions are signed with AGENT_INBOX_CONSOLE_SECRET if set, else "
                     "with a key made at start.")
@@ -44,8 +45,8 @@ def add_parser(commands) -> argparse.ArgumentParser:
                         help="file of name:role:token lines (env AGENT_INBOX_CONSOLE_TOKENS_FILE)")
     parser.add_argument("--hide-payloads-from-viewers", action="store_true",
                         default=env_flag("hide-payloads-from-viewers"),
-                        help="viewers see no event payloads or message bodies (operators and "
-                             "approvers still do)")
+                        help="viewers see no event payloads, message bodies, step results or "
+                             "memory documents (operators and approvers still do)")
     parser.add_argument("--session-ttl", type=int,
                         default=env_default("session-ttl", DEFAULT_SESSION_TTL),
                         help=f"seconds a login lasts (default {DEFAULT_SESSION_TTL})")
