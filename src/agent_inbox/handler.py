@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import wait as wait_any
 from typing import Any, Callable
 
-from agent_inbox import errors
+from agent_inbox import errors, tracing
 from agent_inbox.records import Event
 from agent_inbox.result import Result
 from agent_inbox.steps import NO_RUN, RunSteps
@@ -138,9 +138,10 @@ def call(handler: Callable, batch: list[Event], ctx: Context,
     """Run a handler to completion in this thread; an awaitable it returns is
     handed to `await_on`, which waits for it (on an event loop). Never raises."""
     try:
-        outcome = handler(batch, ctx)
-        if inspect.isawaitable(outcome):
-            outcome = await_on(outcome)
+        with tracing.activate(ctx.steps):  # the run's span is the handler's current span
+            outcome = handler(batch, ctx)
+            if inspect.isawaitable(outcome):
+                outcome = await_on(outcome)
     except KeyboardInterrupt:
         raise
     except BaseException as exc:  # SystemExit, CancelledError: still the run's error
@@ -152,7 +153,8 @@ async def call_async(handler: Callable, batch: list[Event], ctx: Context) -> Res
     """Run an async handler as a task on the caller's loop. Raises CancelledError
     only when the task is cancelled; every other exception is the run's error."""
     try:
-        outcome = await handler(batch, ctx)
+        with tracing.activate(ctx.steps):  # the run's span is the handler's current span
+            outcome = await handler(batch, ctx)
     except asyncio.CancelledError:
         raise
     except BaseException as exc:

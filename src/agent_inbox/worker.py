@@ -43,7 +43,8 @@ import weakref
 from dataclasses import dataclass
 from typing import Callable
 
-from agent_inbox import blame, db, errors, executors, handler, metrics, supervisor, validate
+from agent_inbox import (blame, db, errors, executors, handler, metrics, supervisor, tracing,
+                         validate)
 from agent_inbox.handler import Context, Crashed
 from agent_inbox.inbox import Inbox
 from agent_inbox.result import Result
@@ -229,11 +230,13 @@ class Worker:
         return flights
 
     def _flight(self, run: Run, taken_at: float) -> InFlight:
+        run = tracing.start_run(run)  # its span, ended with its ending's commit
         flight = InFlight(run, Context(run.user, run.holder, run.gen), taken_at)
         flight.ctx.steps = RunSteps(run.user, run.holder, run.gen, [e.id for e in run.events],
                                     may_resume=any(e.attempts > 1 for e in run.events),
                                     journal=WorkerJournal(self, flight),
                                     max_result_bytes=self.inbox.max_payload_bytes)
+        flight.ctx.steps.trace = run.trace
         return flight
 
     def _free(self) -> int:
@@ -388,6 +391,10 @@ class Worker:
                 if ending not in later:
                     self._flights.pop(ending.flight.run.key, None)
             self._guard.notify_all()
+        for ending in endings:
+            if ending not in later:
+                tracing.end_run(ending.flight.run, ending.kind,
+                                ending.error or getattr(ending.result, "error", None))
         self._count(finished=sum(accepted), refused=len(accepted) - sum(accepted))
         ran = [e.flight.run for e in endings
                if e.kind in ("finish", "release") and e not in later]
@@ -620,6 +627,8 @@ class Worker:
                     for ending in batch:
                         self._flights.pop(ending.flight.run.key, None)
                     self._guard.notify_all()
+                for ending in batch:
+                    tracing.end_run(ending.flight.run, ending.kind, "its ending was not written")
 
     def _due_retries(self) -> list[Ending]:
         now = time.monotonic()
