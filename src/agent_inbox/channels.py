@@ -6,7 +6,8 @@ unless the channel raised `PermanentSendError` (the batch can never be sent as
 it is), which parks it `failed` at once.
 
 `http_post` POSTs `{"user", "text", "key"}` as JSON to AGENT_INBOX_HTTP_CHANNEL_URL
-with the key as the `Idempotency-Key` header, so the receiver can drop a repeat.
+with the key as the `Idempotency-Key` header, so the receiver can drop a repeat
+(and, with the `otel` extra, the send span's W3C `traceparent` header).
 Connection errors, timeouts, 408, 429 and 5xx answers are retried with
 exponential backoff (then ChannelError: the dispatcher retries later); any other
 4xx raises PermanentSendError (the request itself is wrong). A redirect is never
@@ -24,7 +25,7 @@ import urllib.error
 import urllib.request
 from functools import cache
 
-from agent_inbox import errors
+from agent_inbox import errors, tracing
 
 
 class ChannelError(errors.AgentInboxError):
@@ -52,6 +53,9 @@ class HttpChannel:
     def __call__(self, user: str, text: str, key: str) -> None:
         body = json.dumps({"user": user, "text": text, "key": key}).encode()
         headers = {"Content-Type": "application/json", "Idempotency-Key": key}
+        traceparent = tracing.current_traceparent()  # the send's span (tracing.py), if any
+        if traceparent:
+            headers["traceparent"] = traceparent
         if self.token:
             headers["Authorization"] = f"Bearer {self.token}"
         for attempt in range(1, self.attempts + 1):

@@ -5,7 +5,7 @@ messages (store/outbox.py holds the rules)."""
 from collections.abc import Callable
 from typing import Any
 
-from agent_inbox import db, errors, validate
+from agent_inbox import db, errors, tracing, validate
 from agent_inbox.records import OutboxMessage
 from agent_inbox.store import bucketed, outbox
 from agent_inbox.store.outbox import Batch, Failure
@@ -61,7 +61,8 @@ class Delivery:
         if at_most_once and not self.mark_sent(batches, now=now):
             return 0
         try:
-            deliver(batch.text, batch.key)
+            with tracing.send(batch):
+                deliver(batch.text, batch.key)
         except Exception as exc:
             if not at_most_once:
                 self.record_failed([Failure(batch, describe(exc),

@@ -21,7 +21,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from agent_inbox import db, errors, metrics, validate
+from agent_inbox import db, errors, metrics, tracing, validate
 from agent_inbox.delivery import describe
 from agent_inbox.inbox import Inbox
 from agent_inbox.service import Listener, Stop, Waker, serve
@@ -104,7 +104,8 @@ class Dispatcher:
 
     def _send(self, batch: Batch) -> None:
         try:
-            self.channel(batch.user, batch.text, batch.key)
+            with tracing.send(batch):  # a child of its first message's run
+                self.channel(batch.user, batch.text, batch.key)
             self._ended.put(Sent(batch, None))
         except BaseException as exc:  # any failure is this batch's, never the dispatcher's
             self._ended.put(Sent(batch, exc))

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import wait as wait_any
 from typing import Any, Callable
 
-from agent_inbox import errors
+from agent_inbox import errors, tracing
 from agent_inbox.records import Event
 from agent_inbox.result import Result
 from agent_inbox.app import App, as_app
@@ -147,12 +147,16 @@ class Context:
         (first come, first served; the run holds no connection meanwhile).
         errors.UnknownLimit if the database has no such limit,
         errors.CostAboveBurst if `cost` is above its burst: nothing is taken."""
-        await self._limiter().acquire(name, cost)
+        with tracing.span("agent_inbox.limit.wait", attributes={"agent_inbox.limit": name,
+                                                                 "agent_inbox.limit.cost": cost}):
+            await self._limiter().acquire(name, cost)
 
     def limit_sync(self, name: str, cost: int = 1) -> None:
         """`limit` for a plain (thread) handler: blocks until let through (or
         the run is stopped: limits.LimitAbandoned)."""
-        self._limiter().acquire_blocking(name, cost, abandoned=self.lease_lost.is_set)
+        with tracing.span("agent_inbox.limit.wait", attributes={"agent_inbox.limit": name,
+                                                                 "agent_inbox.limit.cost": cost}):
+            self._limiter().acquire_blocking(name, cost, abandoned=self.lease_lost.is_set)
 
     def _limiter(self):
         if self.limiter is None:
@@ -204,9 +208,10 @@ def call(handler: Callable, batch: list[Event], ctx: Context,
     """Run a handler to completion in this thread; an awaitable it returns is
     handed to `await_on`, which waits for it (on an event loop). Never raises."""
     try:
-        outcome = handler(batch, ctx)
-        if inspect.isawaitable(outcome):
-            outcome = await_on(outcome)
+        with tracing.activate(ctx.steps):  # the run's span is the handler's current span
+            outcome = handler(batch, ctx)
+            if inspect.isawaitable(outcome):
+                outcome = await_on(outcome)
     except KeyboardInterrupt:
         raise
     except ApprovalNeeded as needed:  # a permit that asks: the run ends with the request
@@ -220,7 +225,8 @@ async def call_async(handler: Callable, batch: list[Event], ctx: Context) -> Res
     """Run an async handler as a task on the caller's loop. Raises CancelledError
     only when the task is cancelled; every other exception is the run's error."""
     try:
-        outcome = await handler(batch, ctx)
+        with tracing.activate(ctx.steps):  # the run's span is the handler's current span
+            outcome = await handler(batch, ctx)
     except asyncio.CancelledError:
         raise
     except ApprovalNeeded as needed:  # a permit that asks: the run ends with the request

@@ -11,7 +11,7 @@ for tests and simulations.
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from agent_inbox import citus, db, errors, metrics, validate
+from agent_inbox import citus, db, errors, metrics, tracing, validate
 from agent_inbox.delivery import Delivery
 from agent_inbox.permissions import Permissions
 from agent_inbox.records import EVENT_STATUSES, ClaimPolicy, Event, SendPolicy
@@ -115,41 +115,47 @@ class Inbox(Runs, Scheduling, Delivery, Permissions):
     # --- inbox ---------------------------------------------------------------
 
     def ingest(self, user: str, source: str, source_id: str, payload: Any, *,
-               kind: str | None = None) -> bool:
+               kind: str | None = None, traceparent: str | None = None) -> bool:
         """Store an event once. False for a duplicate delivery (nothing stored).
         `kind` is what the provider calls the event (GitHub's "push"), if any.
+        `traceparent` is the W3C trace context it came with (its run's span is
+        a child of it; one that is malformed is ignored, never an error); by
+        default the current OpenTelemetry span's, if any (tracing.py).
 
         Call it after the provider's signature check, then acknowledge."""
         user, source, source_id, kind = validate.event_names("", user, source, source_id, kind)
         encoded = validate.payload("payload", payload, self.max_payload_bytes)
+        traceparent = _traceparent(traceparent)
         if self.citus:
             with db.transaction(self._pool) as conn:
-                stored = inbox.insert(conn, user, source, source_id, encoded, kind)
+                stored = inbox.insert(conn, user, source, source_id, encoded, kind, traceparent)
                 citus.events_inserted(conn, [user] if stored else [])
         else:
             with db.connection(self._pool) as conn:
-                stored = inbox.insert(conn, user, source, source_id, encoded, kind)
+                stored = inbox.insert(conn, user, source, source_id, encoded, kind, traceparent)
         metrics.count_ingested(source, stored)
         return stored
 
     def ingest_many(self, events: Iterable[tuple]) -> list[bool]:
-        """Store many events (user, source, source_id, payload[, kind]) in one
-        transaction; for each, True if stored, False for a duplicate (of a stored
-        event or of an earlier one in the batch). Every event is checked first:
-        one bad event raises and nothing is stored."""
+        """Store many events (user, source, source_id, payload[, kind[,
+        traceparent]]) in one transaction; for each, True if stored, False for a
+        duplicate (of a stored event or of an earlier one in the batch). Every
+        event is checked first: one bad event raises and nothing is stored (a
+        malformed traceparent is ignored, as in `ingest`)."""
         if isinstance(events, (str, bytes)) or not isinstance(events, Iterable):
             raise errors.InvalidInput("events", events, "must be an iterable of tuples")
         rows = []
         for n, item in enumerate(events):
-            if not isinstance(item, (tuple, list)) or len(item) not in (4, 5):
-                raise errors.InvalidInput(f"events[{n}]", item,
-                                          "must be (user, source, source_id, payload[, kind])")
-            user, source, source_id, payload, kind = (*item, None)[:5]
+            if not isinstance(item, (tuple, list)) or len(item) not in (4, 5, 6):
+                raise errors.InvalidInput(
+                    f"events[{n}]", item,
+                    "must be (user, source, source_id, payload[, kind[, traceparent]])")
+            user, source, source_id, payload, kind, traceparent = (*item, None, None)[:6]
             user, source, source_id, kind = validate.event_names(f"events[{n}]", user, source,
                                                                  source_id, kind)
             rows.append((user, source, source_id,
                          validate.payload(f"events[{n}] payload", payload, self.max_payload_bytes),
-                         kind))
+                         kind, _traceparent(traceparent)))
 
         def insert_all(conn) -> list[bool]:
             stored: dict[int, bool] = {}
@@ -166,7 +172,7 @@ class Inbox(Runs, Scheduling, Delivery, Permissions):
             return [stored[n] for n in range(len(rows))]
 
         stored = db.in_transaction(self._pool, insert_all)
-        for (_, source, _, _, _), was_stored in zip(rows, stored):
+        for (_, source, *_), was_stored in zip(rows, stored):
             metrics.count_ingested(source, was_stored)
         return stored
 
@@ -295,3 +301,8 @@ class Inbox(Runs, Scheduling, Delivery, Permissions):
                 users_seen, last_user = users_seen + len(users), users[-1]
                 if progress:
                     progress(users_seen, deleted, compacted)
+
+
+def _traceparent(given) -> str | None:
+    """An event's traceparent: `given` if it is one (else none), or the current span's."""
+    return tracing.valid_traceparent(given) if given is not None else tracing.current_traceparent()

@@ -24,6 +24,7 @@ class Event:
     available_at: int
     claimed_at: int | None
     kind: str | None = None  # what the provider calls it, e.g. GitHub's "push"
+    traceparent: str | None = None  # the W3C trace context it arrived with (tracing.py)
 
     def __reduce__(self):
         # Pickled as its fields in order (half the cost of the default): every

@@ -18,10 +18,10 @@ PartlyDone with what it did on the others.
 """
 
 import asyncio
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
-from agent_inbox import citus, db, errors, limits, validate
+from agent_inbox import citus, db, errors, limits, tracing, validate
 from agent_inbox.handler import Context
 from agent_inbox.records import Event
 from agent_inbox.result import KEEP, ApprovalRequest, Message, Result, TimerRequest
@@ -42,6 +42,8 @@ class Run:
     died: int = 0  # events this claim parked as dead (out of attempts)
     unfinished: int = 0  # events claimed again after a run that ended without a finish
     memory: Any = None  # the user's memory document as the claim read it (None: none)
+    # its OpenTelemetry span, if the worker traces it (tracing.start_run)
+    trace: Any = field(default=None, repr=False, compare=False)
 
     @property
     def key(self) -> tuple[str, int]:
@@ -68,7 +70,8 @@ class Outcome:
     def finish(self) -> inbox.Finish:
         run = self.run
         return inbox.Finish(run.user, run.holder, run.gen, [e.id for e in run.events],
-                            self.messages, self.error, self.forget_steps, self.memory)
+                            self.messages, self.error, self.forget_steps, self.memory,
+                            tracing.run_traceparent(run) if self.messages else None)
 
 
 class Runs:
@@ -243,6 +246,12 @@ class Runs:
         now = validate.optional_epoch("now", now)
         if not outcomes:
             return []
+        with tracing.finish(outcomes) as traced:  # a span per traced run
+            flags = self._finish_runs(outcomes, release, now)
+            traced.accepted(flags)
+            return flags
+
+    def _finish_runs(self, outcomes: list[Outcome], release: bool, now: int | None) -> list[bool]:
         if self.citus:
             return self._finish_each(outcomes, release, now)
         users = sorted(o.run.user for o in outcomes)

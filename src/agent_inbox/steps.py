@@ -33,7 +33,7 @@ import inspect
 import json
 from typing import Any, Callable, Protocol
 
-from agent_inbox import errors, validate
+from agent_inbox import errors, tracing, validate
 from agent_inbox.store.steps import RecordedStep, StepRecord, events_key
 
 MAX_NAME_BYTES = 200
@@ -74,6 +74,7 @@ class RunSteps:
         self._calls = 0
         self._occurrences: dict[str, int] = {}
         self.written = 0  # records this attempt committed
+        self.trace = None  # the run's span, parent of its steps' (tracing.py)
 
     def key(self, name: str) -> str:
         """The idempotency key of the next call of `name` (see the module's docstring)."""
@@ -116,11 +117,17 @@ class RunSteps:
 
     async def run_async(self, name: str, fn: Callable, args, kwargs) -> Any:
         position, occurrence = self._next(name)
+        with tracing.step(self.trace, name, position, occurrence) as span:
+            return await self._run_async(span, position, name, occurrence, fn, args, kwargs)
+
+    async def _run_async(self, span, position: int, name: str, occurrence: int, fn: Callable,
+                         args, kwargs) -> Any:
         if self._recorded is None:
             if self._loading is None:
                 self._loading = asyncio.ensure_future(self.journal.recorded_async())
             self._recorded = list(await asyncio.shield(self._loading))
         replayed, result = self._replay(position, name, occurrence)
+        span.set_attribute("agent_inbox.step.replayed", replayed)
         if replayed:
             return result
         value = fn(*args, **kwargs)
@@ -133,9 +140,15 @@ class RunSteps:
 
     def run_blocking(self, name: str, fn: Callable, args, kwargs) -> Any:
         position, occurrence = self._next(name)
+        with tracing.step(self.trace, name, position, occurrence) as span:
+            return self._run_blocking(span, position, name, occurrence, fn, args, kwargs)
+
+    def _run_blocking(self, span, position: int, name: str, occurrence: int, fn: Callable,
+                      args, kwargs) -> Any:
         if self._recorded is None:
             self._recorded = list(self.journal.recorded())
         replayed, result = self._replay(position, name, occurrence)
+        span.set_attribute("agent_inbox.step.replayed", replayed)
         if replayed:
             return result
         value = fn(*args, **kwargs)

@@ -19,7 +19,8 @@ RUN = {**ALICE, "holder": "A", "gen": 1, "ids": [1], "error": None}
 
 STATEMENTS = {
     "ingest": (inbox.INSERT, {"user": "alice", "source": "s", "source_id": "k",
-                              "payload": "{}", "kind": None}),
+                              "payload": "{}", "kind": None,
+                              "traceparent": None}),
     "ingest: lease row": (citus.EVENTS_INSERTED[0], {"user": "alice"}),
     "ingest: wake": (citus.EVENTS_INSERTED[1], {"user": "alice"}),
     "lock": (lease.LOCK, {"user": "alice"}),
@@ -37,7 +38,8 @@ STATEMENTS = {
                                            "now": None, **POLICY}),
     "finish: fence": (bucketed.FENCE, RUN),
     "finish: fence and release": (bucketed.FENCE_RELEASE, RUN),
-    "finish: message": (bucketed.QUEUE, {**ALICE, "body": "hi", "urgent": False}),
+    "finish: message": (bucketed.QUEUE, {**ALICE, "body": "hi", "urgent": False,
+                                         "traceparent": None}),
     "finish: delivery due": (bucketed.PACED, ALICE),
     "finish: work left": (bucketed.WORK_LEFT, ALICE),
     "release, give back: the fence": (bucketed.EXPIRE, {**RUN}),
@@ -93,7 +95,7 @@ STATEMENTS = {
 ONE_NODE = {
     "ingest many": (inbox.INSERT_MANY, {"users": ["alice"], "sources": ["s"],
                                         "source_ids": ["k"], "payloads": ["{}"],
-                                        "kinds": [None]}),
+                                        "kinds": [None], "traceparents": [None]}),
 }
 
 

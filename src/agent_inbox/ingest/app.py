@@ -42,7 +42,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from agent_inbox import errors
+from agent_inbox import errors, tracing
 from agent_inbox.ingest import DEFAULT_MAX_BODY, DEFAULT_STRIPE_TOLERANCE, signatures
 from agent_inbox.ingest import logs
 from agent_inbox.ingest.secrets import MAX_SECRETS, PROVIDER_SCHEMES, SecretStore
@@ -289,6 +289,16 @@ def build_app(inbox, secrets: SecretStore | Mapping[str, Mapping[str, Any]],
 
     async def receive(request: Request, source: str,
                       signature_headers: tuple[str, ...]) -> JSONResponse:
+        """The request in its intake span (tracing.py): its event stores the
+        span's traceparent (or the request's `traceparent` header, if valid)."""
+        with tracing.intake(request.headers.get("traceparent"), source,
+                            request.path_params["user"]) as intake:
+            response = await store(request, source, signature_headers, intake.traceparent)
+            intake.answered(response.status_code)
+            return response
+
+    async def store(request: Request, source: str, signature_headers: tuple[str, ...],
+                    traceparent: str | None) -> JSONResponse:
         """`signature_headers`: the request needs one of them (the first is named
         when none is there), checked before the body is read."""
         user = request.path_params["user"]
@@ -314,7 +324,8 @@ def build_app(inbox, secrets: SecretStore | Mapping[str, Mapping[str, Any]],
                 return answer
             key = provider.event_key(request, payload)
             kind = provider.kind(request, payload)
-            stored = await run_in_threadpool(_ingest, inbox, user, source, key, payload, kind)
+            stored = await run_in_threadpool(_ingest, inbox, user, source, key, payload, kind,
+                                             traceparent)
         except Reject as rejected:
             return rejected.response()
         if stored:
@@ -375,10 +386,11 @@ def build_app(inbox, secrets: SecretStore | Mapping[str, Mapping[str, Any]],
     return app
 
 
-def _ingest(inbox, user: str, source: str, key: str, payload: Any, kind: str | None) -> bool:
+def _ingest(inbox, user: str, source: str, key: str, payload: Any, kind: str | None,
+            traceparent: str | None = None) -> bool:
     """`Inbox.ingest`, with its refusals turned into answers (in the threadpool)."""
     try:
-        return inbox.ingest(user, source, key, payload, kind=kind)
+        return inbox.ingest(user, source, key, payload, kind=kind, traceparent=traceparent)
     except errors.PayloadTooLarge as exc:
         raise Reject(413, str(exc)) from None
     except errors.InvalidInput as exc:

@@ -240,8 +240,8 @@ SELECT ok FROM verdict
 """
 
 QUEUE = f"""
-INSERT INTO outbox (bucket, user_id, body, urgent, created)
-VALUES (%(bucket)s, %(user)s, %(body)s, %(urgent)s, {NOW})
+INSERT INTO outbox (bucket, user_id, body, urgent, created, traceparent)
+VALUES (%(bucket)s, %(user)s, %(body)s, %(urgent)s, {NOW}, %(traceparent)s)
 """
 
 # FINISH's `paced`, for one user.
@@ -280,7 +280,8 @@ def finish(conn, f: Finish, now: int | None, *, release: bool) -> bool:
         memory.replace(conn, f.user, f.memory[0], f.holder, f.gen, now)
     if f.error is None and f.messages:
         for body, urgent in f.messages:
-            conn.execute(QUEUE, {**params, "body": body, "urgent": urgent})
+            conn.execute(QUEUE, {**params, "body": body, "urgent": urgent,
+                                 "traceparent": f.traceparent})
         conn.execute(PACED, params)
         conn.execute(f"SELECT pg_notify('{notify.OUTBOX}', '')")
     if release:

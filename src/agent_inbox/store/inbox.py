@@ -17,22 +17,22 @@ from agent_inbox.store.clock import DB_CLOCK, NOW
 
 EVENT_COLUMNS = (
     'id, user_id AS "user", source, source_id, payload, status, attempts, error, claim_gen,'
-    ' created_at, available_at, claimed_at, kind'
+    ' created_at, available_at, claimed_at, kind, traceparent'
 )
 
 # Invariant 1: ON CONFLICT turns a redelivery into a no-op.
 INSERT = """
-INSERT INTO events (user_id, source, source_id, payload, kind)
-VALUES (%(user)s, %(source)s, %(source_id)s, %(payload)s::jsonb, %(kind)s)
+INSERT INTO events (user_id, source, source_id, payload, kind, traceparent)
+VALUES (%(user)s, %(source)s, %(source_id)s, %(payload)s::jsonb, %(kind)s, %(traceparent)s)
 ON CONFLICT (user_id, source, source_id) DO NOTHING
 RETURNING id
 """
 
 
 def insert(conn, user: str, source: str, source_id: str, payload_json: str,
-           kind: str | None = None) -> bool:
+           kind: str | None = None, traceparent: str | None = None) -> bool:
     params = {"user": user, "source": source, "source_id": source_id, "payload": payload_json,
-              "kind": kind}
+              "kind": kind, "traceparent": traceparent}
     return conn.execute(INSERT, params).fetchone() is not None
 
 
@@ -43,24 +43,27 @@ def insert(conn, user: str, source: str, source_id: str, payload_json: str,
 # for each other rather than deadlock (unless one user's keys arrive in opposite
 # orders, which the caller retries).
 INSERT_MANY = """
-INSERT INTO events (user_id, source, source_id, payload, kind)
-SELECT b.user_id, b.source, b.source_id, b.payload::jsonb, b.kind
+INSERT INTO events (user_id, source, source_id, payload, kind, traceparent)
+SELECT b.user_id, b.source, b.source_id, b.payload::jsonb, b.kind, b.traceparent
   FROM unnest(%(users)s::text[], %(sources)s::text[], %(source_ids)s::text[], %(payloads)s::text[],
-              %(kinds)s::text[])
-       WITH ORDINALITY AS b(user_id, source, source_id, payload, kind, n)
+              %(kinds)s::text[], %(traceparents)s::text[])
+       WITH ORDINALITY AS b(user_id, source, source_id, payload, kind, traceparent, n)
  ORDER BY b.user_id, b.n
     ON CONFLICT (user_id, source, source_id) DO NOTHING
 RETURNING user_id, source, source_id
 """
 
 
-def insert_many(conn, rows: list[tuple[str, str, str, str, str | None]]) -> list[bool]:
-    """rows are (user, source, source_id, payload_json, kind); True where stored."""
-    columns = list(zip(*rows)) if rows else [(), (), (), (), ()]
-    params = dict(zip(("users", "sources", "source_ids", "payloads", "kinds"), map(list, columns)))
+def insert_many(conn, rows: list[tuple]) -> list[bool]:
+    """rows are (user, source, source_id, payload_json, kind[, traceparent]);
+    True where stored."""
+    rows = [(*row, None)[:6] for row in rows]
+    columns = list(zip(*rows)) if rows else [()] * 6
+    params = dict(zip(("users", "sources", "source_ids", "payloads", "kinds", "traceparents"),
+                      map(list, columns)))
     stored = {tuple(r) for r in conn.execute(INSERT_MANY, params).fetchall()}
     result = []
-    for user, source, source_id, _, _ in rows:
+    for user, source, source_id, *_ in rows:
         key = (user, source, source_id)
         result.append(key in stored)
         stored.discard(key)  # a repeat inside the batch is a duplicate
@@ -319,8 +322,9 @@ WITH clock AS (
 ), run AS (
     SELECT * FROM unnest(%(users)s::text[], %(holders)s::text[], %(gens)s::bigint[],
                          %(counts)s::int[], %(errors)s::text[], %(forgets)s::boolean[],
-                         %(keys)s::text[])
-                  WITH ORDINALITY AS r(user_id, holder, gen, named, error, forget, events, n)
+                         %(keys)s::text[], %(traceparents)s::text[])
+                  WITH ORDINALITY AS r(user_id, holder, gen, named, error, forget, events,
+                                       traceparent, n)
 ), mine AS (
     SELECT c.n, c.gen, c.user_id, c.id, e.version
       FROM unnest(%(event_runs)s::bigint[], %(event_users)s::text[], %(event_gens)s::bigint[],
@@ -332,7 +336,8 @@ WITH clock AS (
 ), found AS (
     SELECT n, count(*) AS events FROM mine GROUP BY n
 ), verdict AS (
-    SELECT run.n, run.user_id, run.error, run.named, run.forget, run.events, l.version AS lease,
+    SELECT run.n, run.user_id, run.error, run.named, run.forget, run.events, run.traceparent,
+           l.version AS lease,
            l.version IS NOT NULL AND coalesce(found.events, 0) = run.named AS ok
       FROM run CROSS JOIN clock
       LEFT JOIN LATERAL (SELECT l.ctid AS version FROM leases l
@@ -372,8 +377,8 @@ WITH clock AS (
 ), forgotten AS (
     DELETE FROM memory m USING recalled r WHERE r.doc IS NULL AND m.user_id = r.user_id
 ), queued AS (
-    INSERT INTO outbox (user_id, body, urgent, created)
-    SELECT verdict.user_id, m.body, m.urgent, clock.now
+    INSERT INTO outbox (user_id, body, urgent, created, traceparent)
+    SELECT verdict.user_id, m.body, m.urgent, clock.now, verdict.traceparent
       FROM unnest(%(message_runs)s::bigint[], %(bodies)s::text[], %(urgent)s::boolean[])
            WITH ORDINALITY AS m(n, body, urgent, k)
       JOIN verdict ON verdict.n = m.n, clock
@@ -429,18 +434,21 @@ class Finish:
     # The user's memory as the run leaves it, if it succeeds: (json,) replaces
     # it, (None,) deletes it, None keeps it.
     memory: tuple[str | None] | None = None
+    # What its messages store: the run span's traceparent (tracing.py).
+    traceparent: str | None = None
 
 
 def send_finish(conn, finishes: list[Finish], now: int | None, *, release: bool = False):
     """Send FINISH without reading the verdicts (pipeline mode): read_verdicts."""
     params = {"users": [], "holders": [], "gens": [], "counts": [], "errors": [], "forgets": [],
-              "keys": [], "event_runs": [], "event_users": [], "event_gens": [], "event_ids": [],
-              "message_runs": [], "bodies": [], "urgent": [], "memory_runs": [],
-              "memory_docs": [], "now": now, "release": release}
+              "keys": [], "traceparents": [], "event_runs": [], "event_users": [],
+              "event_gens": [], "event_ids": [], "message_runs": [], "bodies": [], "urgent": [],
+              "memory_runs": [], "memory_docs": [], "now": now, "release": release}
     for n, f in enumerate(finishes, 1):
         for key, value in (("users", f.user), ("holders", f.holder), ("gens", f.gen),
                            ("counts", len(f.ids)), ("errors", f.error),
-                           ("forgets", f.forget_steps), ("keys", steps.events_key(f.ids))):
+                           ("forgets", f.forget_steps), ("keys", steps.events_key(f.ids)),
+                           ("traceparents", f.traceparent)):
             params[key].append(value)
         params["event_runs"] += [n] * len(f.ids)
         params["event_users"] += [f.user] * len(f.ids)

@@ -30,7 +30,7 @@ again after it. So a held message is never left with no dispatcher due to look.
 """
 
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from psycopg.rows import class_row, dict_row
 
@@ -68,9 +68,9 @@ WITH clock AS (
     SELECT d.*, d.ctid AS version, clock.now FROM deliveries d, clock
      WHERE d.user_id = ANY(%(users)s::text[])
 ), held AS (
-    SELECT m.user_id, o.id, o.body, o.urgent, o.batch
+    SELECT m.user_id, o.id, o.body, o.urgent, o.batch, o.traceparent
       FROM mine m CROSS JOIN LATERAL (
-           SELECT o.id, o.body, o.urgent, o.batch FROM outbox o
+           SELECT o.id, o.body, o.urgent, o.batch, o.traceparent FROM outbox o
             WHERE o.user_id = m.user_id AND o.sent_at IS NULL AND o.failed_at IS NULL
            OFFSET 0) o
 ), looked AS (
@@ -113,7 +113,7 @@ WITH clock AS (
      WHERE d.ctid = v.version
  RETURNING d.user_id, d.batch, d.send_token, v.verdict
 )
-SELECT c.user_id, c.batch, c.send_token, h.id, h.body
+SELECT c.user_id, c.batch, c.send_token, h.id, h.body, h.traceparent
   FROM claimed c JOIN held h ON h.user_id = c.user_id
  WHERE c.verdict = 'send' OR (c.verdict = 'resend' AND h.batch = c.batch)
  ORDER BY c.user_id, h.id
@@ -129,6 +129,7 @@ class Batch:
     token: int
     ids: list[int]
     bodies: list[str]
+    traceparents: list[str | None] = field(default_factory=list)  # each message's (tracing.py)
 
     @property
     def key(self) -> str:
@@ -144,10 +145,11 @@ def claim(conn, users: list[str], *, gap: int, send_timeout: int, now: int | Non
     transaction has locked (lock_due or lock_user)."""
     params = {"users": users, "gap": gap, "send_timeout": send_timeout, "now": now}
     batches: dict[str, Batch] = {}
-    for user, batch, token, row_id, body in conn.execute(CLAIM, params).fetchall():
+    for user, batch, token, row_id, body, traceparent in conn.execute(CLAIM, params).fetchall():
         found = batches.setdefault(user, Batch(user, batch, token, [], []))
         found.ids.append(row_id)
         found.bodies.append(body)
+        found.traceparents.append(traceparent)
     return list(batches.values())
 
 

@@ -23,7 +23,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-from agent_inbox import errors, metrics
+from agent_inbox import errors, metrics, tracing
 from agent_inbox.inbox import Inbox
 from agent_inbox.permissions import PermitAsk, RunPermits
 from agent_inbox.result import Result
@@ -129,6 +129,10 @@ class Completer:
                 log.warning("lease lost %s: nothing committed", ending.flight.label)
                 metrics.FINISHES.labels("lease_lost").inc()
         self.flights.drop([e.flight for e in endings if e not in later])
+        for ending in endings:
+            if ending not in later:
+                tracing.end_run(ending.flight.run, ending.kind,
+                                ending.error or getattr(ending.result, "error", None))
         self.run_stats.count(finished=sum(accepted), refused=len(accepted) - sum(accepted))
         ran = [e.flight.run for e in endings
                if e.kind in ("finish", "release") and e not in later]
@@ -240,6 +244,8 @@ class Completer:
                 log.exception("completer: writing %d endings failed", len(batch))
                 self.flights.unwritten([e.flight for e in batch if e.kind != "give_back"])
                 self.flights.drop([e.flight for e in batch])
+                for ending in batch:
+                    tracing.end_run(ending.flight.run, ending.kind, "its ending was not written")
 
     def _due_retries(self) -> list[Ending]:
         now = time.monotonic()

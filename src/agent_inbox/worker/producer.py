@@ -11,7 +11,7 @@ import logging
 import time
 from typing import Callable
 
-from agent_inbox import errors, limits, metrics
+from agent_inbox import errors, limits, metrics, tracing
 from agent_inbox.handler import Context
 from agent_inbox.inbox import Inbox
 from agent_inbox.runs import Run
@@ -74,6 +74,7 @@ class Producer:
         return flights
 
     def _flight(self, run: Run, taken_at: float) -> InFlight:
+        run = tracing.start_run(run)  # its span, ended with its ending's commit
         ctx = Context(run.user, run.holder, run.gen, memory=run.memory,
                       attempt=max((e.attempts for e in run.events), default=1),
                       limiter=limits.limiter_for(self.inbox))
@@ -83,6 +84,7 @@ class Producer:
                                     may_resume=any(e.attempts > 1 for e in run.events),
                                     journal=WorkerJournal(self.flights.endings, flight),
                                     max_result_bytes=self.inbox.max_payload_bytes)
+        flight.ctx.steps.trace = run.trace
         return flight
 
     def _free(self) -> int:
