@@ -230,3 +230,29 @@ def test_the_steps_table_refuses_what_the_code_never_writes(database_url):
         with pytest.raises(psycopg.errors.CheckViolation):
             conn.execute("INSERT INTO steps (user_id, event_ids, position, name, occurrence,"
                          " result, holder, gen) VALUES ('x', '{1}', 0, 'n', 1, '1', 'h', 1)")
+
+
+def test_steps_started_together_replay_by_position_when_one_was_not_recorded(inbox):
+    """Two steps started together: the first raised (not recorded), the second
+    was recorded at position 2. The retry calls the first again and replays
+    the second, each by its own position."""
+    inbox.ingest("kim", "chat", "m1", {})
+    run = inbox.take_work("A")
+    calls = Calls()
+
+    async def handler(ctx, first_fails):
+        async def first():
+            calls.names.append("first")
+            if first_fails:
+                raise RuntimeError("the tool timed out")
+            return "FIRST"
+        return await asyncio.gather(ctx.step("first", first),
+                                    ctx.step("second", calls.fn("second", "SECOND")),
+                                    return_exceptions=True)
+
+    first_try = asyncio.run(handler(inbox.context(run), True))
+    assert isinstance(first_try[0], RuntimeError) and first_try[1] == "SECOND"
+    assert [(s.position, s.label) for s in inbox.steps("kim")] == [(2, "second")]
+    crash(inbox, run)
+    assert asyncio.run(handler(inbox.context(inbox.take_work("A")), False)) == ["FIRST", "SECOND"]
+    assert calls.names == ["first", "second", "first"]

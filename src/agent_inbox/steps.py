@@ -67,7 +67,9 @@ class RunSteps:
         self.user, self.holder, self.gen = user, holder, gen
         self.event_ids = tuple(sorted(event_ids))
         # Only an event claimed before may have records: a first attempt skips the read.
-        self._recorded: list[RecordedStep] | None = None if may_resume else []
+        # The earlier attempts' records by position (steps started together may
+        # have been recorded out of order, leaving a gap); None until read.
+        self._recorded: dict[int, RecordedStep] | None = None if may_resume else {}
         self._loading = None  # an asyncio future while an async read is under way
         self.journal = journal
         self.max_result_bytes = max_result_bytes
@@ -95,10 +97,9 @@ class RunSteps:
         return self._calls, occurrence
 
     def _replay(self, position: int, name: str, occurrence: int) -> tuple[bool, Any]:
-        recorded = self._recorded
-        if position > len(recorded):
+        step = self._recorded.get(position)
+        if step is None:
             return False, None
-        step = recorded[position - 1]
         if (step.name, step.occurrence) != (name, occurrence):
             asked = name if occurrence == 1 else f"{name}#{occurrence}"
             raise errors.StepMismatch(
@@ -125,7 +126,7 @@ class RunSteps:
         if self._recorded is None:
             if self._loading is None:
                 self._loading = asyncio.ensure_future(self.journal.recorded_async())
-            self._recorded = list(await asyncio.shield(self._loading))
+            self._recorded = _by_position(await asyncio.shield(self._loading))
         replayed, result = self._replay(position, name, occurrence)
         span.set_attribute("agent_inbox.step.replayed", replayed)
         if replayed:
@@ -146,7 +147,7 @@ class RunSteps:
     def _run_blocking(self, span, position: int, name: str, occurrence: int, fn: Callable,
                       args, kwargs) -> Any:
         if self._recorded is None:
-            self._recorded = list(self.journal.recorded())
+            self._recorded = _by_position(self.journal.recorded())
         replayed, result = self._replay(position, name, occurrence)
         span.set_attribute("agent_inbox.step.replayed", replayed)
         if replayed:
@@ -160,6 +161,10 @@ class RunSteps:
         self.journal.record(self._record(position, name, occurrence, encoded))
         self.written += 1
         return _decoded(encoded)
+
+
+def _by_position(recorded: list[RecordedStep]) -> dict[int, RecordedStep]:
+    return {step.position: step for step in recorded}
 
 
 def _checked_name(name: object) -> str:
