@@ -11,7 +11,10 @@ Invariants:
   webhook bodies), and every response carries a Content-Security-Policy that
   allows only the console's own scripts, styles and images (no inline ones);
 - pages read through console/queries.py and the CLI's views: plain SELECTs,
-  never a lease row lock.
+  never a lease row lock;
+- a bad parameter (a NUL, a number that is not ASCII digits or does not fit a
+  bigint) is a 400 naming it, and every answer, a 500 included, carries the
+  security headers; user ids in log lines are escaped (ingest/logs.shown).
 
 Database work is blocking psycopg, so every handler runs in the threadpool.
 """
@@ -26,7 +29,6 @@ from importlib import resources
 import jinja2
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
-from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, RedirectResponse, Response
 from starlette.routing import Mount, Route
@@ -36,6 +38,7 @@ from starlette.templating import Jinja2Templates
 from agent_inbox import db, errors, operator, tables, validate
 from agent_inbox.console import auth, queries
 from agent_inbox.console.auth import Authenticator, Principal
+from agent_inbox.ingest.logs import shown
 from agent_inbox.store import admin, outbox, policies, stats, steps
 from agent_inbox.store import memory as memories
 
@@ -83,6 +86,14 @@ class SecurityHeaders:
             await send(message)
 
         await self.app(scope, receive, with_headers)
+
+
+class _ConsoleApp(Starlette):
+    """Starlette with SecurityHeaders outside its error middleware, so that a
+    500 carries them too."""
+
+    def build_middleware_stack(self):
+        return SecurityHeaders(super().build_middleware_stack())
 
 
 class Forbidden(Exception):
@@ -210,8 +221,8 @@ class Console:
     # --- users -------------------------------------------------------------------
 
     def users(self, request, principal, form) -> Response:
-        prefix = request.query_params.get("q", "")
-        after = request.query_params.get("after", "")
+        prefix = _param(request, "q")
+        after = _param(request, "after")
         with db.connection(self.inbox.pool) as conn:
             rows, now = queries.users(conn, prefix, after, queries.PAGE + 1)
         more = len(rows) > queries.PAGE
@@ -221,8 +232,8 @@ class Console:
                            next_after=next_after, now=now)
 
     def user(self, request, principal, form) -> Response:
-        user = request.query_params.get("u", "")
-        before = _int(request.query_params.get("before"), 2**63 - 1)
+        user = _param(request, "u")
+        before = _int("before", request.query_params.get("before"), 2**63 - 1)
         with db.connection(self.inbox.pool) as conn:
             lease = queries.lease(conn, user)
             events = queries.timeline(conn, user, before, queries.PAGE + 1)
@@ -272,7 +283,7 @@ class Console:
             else:
                 done = admin.discard(conn, pairs, principal.actor)
         log.info("console %s by %s: %d of %d events: %s", action, principal.actor, len(done),
-                 len(pairs), ", ".join(f"{r['user']}/{r['id']}" for r in done))
+                 len(pairs), ", ".join(f"{shown(r['user'])}/{r['id']}" for r in done))
         done_keys = {(r["user"], r["id"]) for r in done}
         return self.render(request, principal, "done.html", what="dead events", action=action,
                            past=_PAST[action], done=done,
@@ -319,8 +330,8 @@ class Console:
         user, request_id = _one(form, "user") or "", _one(form, "request") or ""
         answer = _action(form, ("yes", "no"), field="answer")
         standing = self.inbox.answer_approval(user, request_id, answer)
-        log.info("console approval by %s: user=%r request=%r answer=%s standing=%s",
-                 principal.actor, user, request_id, answer, standing)
+        log.info("console approval by %s: user=%s request=%s answer=%s standing=%s",
+                 principal.actor, shown(user), shown(request_id), answer, standing)
         notice = operator.describe_answer(user, request_id, answer, standing)
         return self.approvals(request, principal, form, notice=notice)
 
@@ -342,16 +353,16 @@ class Console:
                                policies.DEFAULT_ASK_EXPIRES_IN)
         self.inbox.set_policy(tool, answer, user=user, ask_expires_in=expires_in,
                               actor=principal.actor)
-        log.info("console policy set by %s: user=%r tool=%r answer=%s ask_expires_in=%d",
-                 principal.actor, user, tool, answer, expires_in)
+        log.info("console policy set by %s: user=%s tool=%s answer=%s ask_expires_in=%d",
+                 principal.actor, _shown(user), shown(tool), answer, expires_in)
         return RedirectResponse(_rules_page(user), status_code=303)
 
     def policy_clear(self, request, principal, form) -> Response:
         user = _policy_scope(form)
         tool = (_one(form, "tool") or "").strip()
         cleared = self.inbox.clear_policy(tool, user=user, actor=principal.actor)
-        log.info("console policy clear by %s: user=%r tool=%r cleared=%s", principal.actor,
-                 user, tool, cleared)
+        log.info("console policy clear by %s: user=%s tool=%s cleared=%s", principal.actor,
+                 _shown(user), shown(tool), cleared)
         if not cleared:
             scope = "the defaults have" if user is None else f"user {user!r} has"
             return self.refuse(request, principal, 404,
@@ -391,7 +402,7 @@ def build_app(inbox, authenticator: Authenticator, settings: Settings = Settings
         Route("/healthz", lambda request: PlainTextResponse("ok")),
         Mount("/static", StaticFiles(directory=str(static)), name="static"),
     ]
-    return Starlette(routes=routes, middleware=[Middleware(SecurityHeaders)])
+    return _ConsoleApp(routes=routes)
 
 
 # --- forms -------------------------------------------------------------------------
@@ -425,7 +436,7 @@ def _picked_events(form: dict) -> list[tuple[str, int]]:
     pairs = []
     for value in form.get("pick", []):
         event_id, _, user = value.partition(":")
-        if not event_id.isdigit() or not user:
+        if _bigint(event_id) is None or not user or "\x00" in user:
             raise errors.InvalidInput("pick", value, "must be <event id>:<user>")
         pairs.append((user, int(event_id)))
     return _bounded(sorted(set(pairs)))
@@ -433,7 +444,7 @@ def _picked_events(form: dict) -> list[tuple[str, int]]:
 
 def _picked_batches(form: dict) -> set[int]:
     values = form.get("pick", [])
-    if not all(v.isdigit() for v in values):
+    if not all(_bigint(v) is not None for v in values):
         raise errors.InvalidInput("pick", values, "must be batch ids")
     return set(_bounded(sorted({int(v) for v in values})))
 
@@ -483,8 +494,36 @@ def _safe_next(request: Request, value: str | None = None) -> str:
     return target
 
 
-def _int(value: str | None, default: int) -> int:
-    return int(value) if value and value.isdigit() and int(value) < 2**63 else default
+_DIGITS = re.compile(r"[0-9]{1,19}")  # ASCII only: str.isdigit() also takes '²'
+
+
+def _bigint(value: str) -> int | None:
+    """`value` as a non-negative bigint, or None if it is not one."""
+    if not _DIGITS.fullmatch(value) or int(value) >= 2**63:
+        return None
+    return int(value)
+
+
+def _int(field: str, value: str | None, default: int) -> int:
+    """A query parameter's bigint, `default` if absent or empty; 400 otherwise."""
+    if not value:
+        return default
+    number = _bigint(value)
+    if number is None:
+        raise errors.InvalidInput(field, value, "must be a whole number below 2**63")
+    return number
+
+
+def _param(request: Request, name: str) -> str:
+    """A text query parameter ('' if absent); 400 if PostgreSQL could not take it."""
+    value = request.query_params.get(name, "")
+    if "\x00" in value:
+        raise errors.InvalidInput(name, value, "must not contain NUL characters")
+    return value
+
+
+def _shown(user: str | None) -> str:
+    return "(defaults)" if user is None else shown(user)
 
 
 # --- presentation ------------------------------------------------------------------

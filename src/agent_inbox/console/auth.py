@@ -157,7 +157,7 @@ class Authenticator:
     def from_session(self, cookie: str | None, now: float | None = None) -> Principal | None:
         """The session's principal, or None if the cookie is missing, forged,
         expired, or of a token no longer configured as it was."""
-        if not cookie or cookie.count(".") != 1:
+        if not cookie or cookie.count(".") != 1 or not cookie.isascii():
             return None
         encoded, mac = cookie.split(".")
         if not hmac.compare_digest(mac, self._mac(encoded.encode())):
