@@ -17,9 +17,9 @@ import pytest
 CHROMIUM = os.environ.get("AGENT_INBOX_TEST_CHROMIUM", "/usr/bin/chromium")
 CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking",
                  "--disable-component-update", "--disable-sync", "--no-first-run"]
-TOKENS = {"ann": ("operator+approver", "ann-token-0123456789"),
-          "bea": ("approver", "bea-token-0123456789"),
-          "vic": ("viewer", "vic-token-0123456789")}
+TOKENS = {"ann": ("operator+approver", "ann-token-8f3a1c9e5b7d2f4a6c0e9b1d3f5a7c2e"),
+          "bea": ("approver", "bea-token-2d7f9b1e4a6c8e0f3b5d7a9c1e2f4b6d"),
+          "vic": ("viewer", "vic-token-6c1e3a5f7b9d2e4f8a0c6b1d3e5f7a9c")}
 START_TIMEOUT = 30
 
 

@@ -103,3 +103,32 @@ def test_a_requeue_logs_the_user_id_escaped(inbox, database_url):
     assert "\x1b" not in line and "\u202e" not in line
     assert "\\x1b[2J\\u202eevil\\r\\nFAKE LOG LINE" in line
     assert "FAKE LOG LINE" not in log.replace(line, "")
+
+
+# --- tokens must carry enough entropy ---------------------------------------------------
+
+@pytest.mark.parametrize("weak", ["aaaaaaaaaaaaaaaa", "passwordpassword", "0123456789abcdef",
+                                  "ann-token-0123456789", "hunter2hunter2hunter2hunter2",
+                                  "0123456789abcdef0123456789abcdef"])
+def test_low_entropy_tokens_refuse_to_start(monkeypatch, capsys, weak):
+    from agent_inbox import cli
+
+    monkeypatch.setenv("AGENT_INBOX_CONSOLE_TOKENS", f"ann:operator:{weak}")
+    code = cli.main(["console", "--database-url", "postgresql://127.0.0.1:1/none"])
+    err = capsys.readouterr().err
+    assert code == 2 and "entry 1 has a weak token: a token needs at least 128 bits" in err, err
+    assert "agent-inbox console token new" in err and weak not in err
+
+
+def test_token_new_prints_a_strong_token_and_an_entry(capsys):
+    from agent_inbox import cli
+
+    printed = []
+    for argv in ([], [], ["--name", "ann", "--role", "operator+approver"]):
+        assert cli.main(["console", "token", "new", *argv]) == 0
+        printed.append(capsys.readouterr().out.strip())
+    first, second, entry = printed
+    assert first != second and len(first) >= 43 and auth.strong(first)
+    [token] = auth.parse_tokens(entry, "test")
+    assert (token.name, token.roles) == ("ann", ("operator", "approver"))
+    assert cli.main(["console", "token", "new", "--name", "ann", "--role", "root"]) == 2

@@ -27,10 +27,13 @@ CSRF token is an HMAC of the session's nonce.
 """
 
 import base64
+import collections
 import hashlib
 import hmac
 import json
+import math
 import secrets
+import string
 import time
 from dataclasses import dataclass
 
@@ -39,6 +42,11 @@ from agent_inbox import errors
 RIGHTS = {"viewer": {"view"}, "operator": {"view", "repair"},
           "approver": {"view", "approve", "policy"}}
 MIN_TOKEN = 16
+MIN_TOKEN_BITS = 128
+WEAK_TOKEN = (f"has a weak token: a token needs at least {MIN_TOKEN_BITS} bits of entropy, "
+              "estimated as its length times the bits of the character classes it uses, "
+              "and refused if it repeats itself or has few distinct characters; use 32 or "
+              "more random hex characters, or `agent-inbox console token new`")
 MIN_SECRET = 32
 COOKIE = "agent_inbox_console"
 TOKENS_ENV = "AGENT_INBOX_CONSOLE_TOKENS"
@@ -93,12 +101,50 @@ def parse_tokens(text: str, origin: str) -> list[Token]:
         if len(secret) < MIN_TOKEN:
             raise errors.InvalidInput(where, name, f"has a token shorter than {MIN_TOKEN} "
                                                    "characters")
+        if not strong(secret):
+            raise errors.InvalidInput(where, name, WEAK_TOKEN)
         if any(t.name == name for t in tokens):
             raise errors.InvalidInput(where, name, "repeats a name given before")
         if any(hmac.compare_digest(t.secret, secret) for t in tokens):
             raise errors.InvalidInput(where, name, "repeats another entry's token")
         tokens.append(Token(name, roles, secret))
     return tokens
+
+
+def token_bits(token: str) -> float:
+    """A rough estimate of a token's entropy in bits: the lower of its length
+    times the bits of the character classes it uses (hex counted as hex), and
+    1.5 times its characters' Shannon entropy (which repeats pull down). It
+    catches repeats and small alphabets, not every weak choice."""
+    if not token:
+        return 0.0
+    chars = set(token)
+    if chars <= set(string.hexdigits.lower()) or chars <= set(string.hexdigits.upper()):
+        alphabet = 16
+    else:
+        alphabet = sum(len(c) for c in (string.ascii_lowercase, string.ascii_uppercase,
+                                        string.digits) if chars & set(c))
+        alphabet += 33 if any(not c.isascii() or not c.isalnum() for c in chars) else 0
+    by_classes = len(token) * math.log2(max(alphabet, 2))
+    counts = collections.Counter(token).values()
+    shannon = -sum(n / len(token) * math.log2(n / len(token)) for n in counts) * len(token)
+    # A short sample's Shannon entropy is far below its source's (22 random
+    # base64url characters measure about 98 bits): it counts half again, enough
+    # to pass random tokens and still refuse repeats and words.
+    return min(by_classes, shannon * 1.5)
+
+
+def strong(token: str) -> bool:
+    """Whether `token` plausibly holds MIN_TOKEN_BITS bits: long enough for it,
+    not a repetition of a shorter string, and not made of few characters."""
+    period = next((p for p in range(1, len(token) // 2 + 1)
+                   if len(token) % p == 0 and token == token[:p] * (len(token) // p)), None)
+    return period is None and token_bits(token) >= MIN_TOKEN_BITS
+
+
+def new_token() -> str:
+    """A token of 256 random bits, base64url (43 characters)."""
+    return secrets.token_urlsafe(32)
 
 
 def load_tokens(env_value: str | None, tokens_file: str | None) -> list[Token]:

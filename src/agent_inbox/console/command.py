@@ -2,7 +2,7 @@
 
 Invariant: the console answers no request unless its tokens loaded whole and
 valid (at least one; each `name:role:token` with a known role and a token of
-at least 16 characters) and the schema is at head; anything else exits 2 with
+at least 128 bits by auth.token_bits) and the schema is at head; anything else exits 2 with
 what is wrong, before listening. Tokens come from AGENT_INBOX_CONSOLE_TOKENS or
 --tokens-file, never the command line, and are never logged.
 """
@@ -54,7 +54,32 @@ def add_parser(commands) -> argparse.ArgumentParser:
                         default=env_default("console-pool-size", DEFAULT_POOL_SIZE),
                         help=f"database connections (default {DEFAULT_POOL_SIZE})")
     parser.set_defaults(run=cmd_console, command="console")
+    actions = parser.add_subparsers(dest="console_action", metavar="{token}")
+    token = actions.add_parser("token", help="make console tokens").add_subparsers(
+        dest="token_action", metavar="{new}", required=True)
+    new = token.add_parser("new", help="print a new random token (256 bits, base64url), or "
+                                       "a whole name:role:token entry with --name and --role")
+    new.add_argument("--name", help="the entry's name")
+    new.add_argument("--role", help="the entry's role (viewer, operator, approver, or joined "
+                                    "with '+')")
+    new.set_defaults(run=cmd_token_new)
     return parser
+
+
+def cmd_token_new(args: argparse.Namespace) -> int:
+    """Print a new token, or a name:role:token entry (checked as the console would)."""
+    from agent_inbox.console import auth
+
+    token = auth.new_token()
+    if args.name is None and args.role is None:
+        print(token)
+        return 0
+    if not args.name or not args.role:
+        raise errors.InvalidInput("--name and --role", None, "go together")
+    entry = f"{args.name}:{args.role}:{token}"
+    auth.parse_tokens(entry, "--name/--role")
+    print(entry)
+    return 0
 
 
 def cmd_console(args: argparse.Namespace) -> int:
