@@ -26,12 +26,14 @@ START_TIMEOUT = 30
 class ConsoleProcess:
     """`agent-inbox console --port 0`, its address read from uvicorn's log line."""
 
-    def __init__(self, database_url: str, *extra: str):
+    def __init__(self, database_url: str, *extra: str, tokens: dict | None = None,
+                 host: str = "127.0.0.1", env: dict | None = None):
         env = {**os.environ, "AGENT_INBOX_CONSOLE_TOKENS": ",".join(
-            f"{name}:{role}:{token}" for name, (role, token) in TOKENS.items())}
+            f"{name}:{role}:{token}" for name, (role, token) in (tokens or TOKENS).items()),
+            **(env or {})}
         self.process = subprocess.Popen(
             [sys.executable, "-m", "agent_inbox.cli", "console", "--database-url", database_url,
-             "--host", "127.0.0.1", "--port", "0", *extra],
+             "--host", host, "--port", "0", *extra],
             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
         self.url = self._address()
 
@@ -39,9 +41,9 @@ class ConsoleProcess:
         lines = []
         for line in self.process.stderr:  # ends if the process exits
             lines.append(line)
-            found = re.search(r"Uvicorn running on (http://127\.0\.0\.1:\d+)", line)
-            if found:
-                return found.group(1)
+            found = re.search(r"Uvicorn running on http://\S+:(\d+)", line)
+            if found:  # any listening address: the test connects over loopback
+                return f"http://127.0.0.1:{found.group(1)}"
         self.process.wait(timeout=START_TIMEOUT)
         raise AssertionError("the console did not start:\n" + "".join(lines))
 

@@ -1,8 +1,9 @@
 """Issue 20's findings on the console's sessions and inputs, each against a real
 console process (or, for a 500, the application over a failing inbox)."""
 
-import logging
+import http.client
 import urllib.error
+import urllib.parse
 import urllib.request
 
 import pytest
@@ -132,3 +133,186 @@ def test_token_new_prints_a_strong_token_and_an_entry(capsys):
     [token] = auth.parse_tokens(entry, "test")
     assert (token.name, token.roles) == ("ann", ("operator", "approver"))
     assert cli.main(["console", "token", "new", "--name", "ann", "--role", "root"]) == 2
+
+
+# --- failed logins and bearer tokens throttled and logged -----------------------------
+
+def stderr_of(started: ConsoleProcess) -> str:
+    """Everything the console logged, once it has stopped."""
+    started.process.terminate()
+    text = started.process.stderr.read()
+    started.stop()
+    return text
+
+
+def login_form(token: str) -> bytes:
+    return urllib.parse.urlencode({"token": token, "next": "/"}).encode()
+
+
+def test_failed_logins_are_throttled_per_address_and_logged(database_url):
+    started = ConsoleProcess(database_url)
+    try:
+        statuses = [fetch(started.url + "/login", data=login_form(f"wrong-{n}-{'x' * 30}"))[0]
+                    for n in range(30)]
+        assert statuses[:10] == [401] * 10 and set(statuses[10:]) == {429}, statuses
+        status, headers, body = fetch(started.url + "/login", data=login_form(ANN))
+        assert status == 429 and int(headers["Retry-After"]) > 0  # not even the right one
+        assert "Set-Cookie" not in headers and "too many failed logins" in body
+    finally:
+        log = stderr_of(started)
+    assert log.count("console: failed login from '127.0.0.1'") == 10, log[-2000:]
+
+
+def test_failed_bearer_tokens_are_throttled_and_logged(database_url):
+    started = ConsoleProcess(database_url)
+    try:
+        statuses = [started.get("/api/overview", token=f"wrong-{n}-{'x' * 30}")[0]
+                    for n in range(15)]
+        assert statuses[:10] == [401] * 10 and set(statuses[10:]) == {429}, statuses
+        assert started.get("/api/overview", token=ANN)[0] == 429
+        assert fetch(started.url + "/login", data=login_form(ANN))[0] == 429  # same address
+    finally:
+        log = stderr_of(started)
+    assert log.count("console: failed bearer token from '127.0.0.1'") == 10, log[-2000:]
+
+
+def test_the_throttle_forgets_after_its_window_and_bounds_its_memory():
+    now = [0.0]
+    throttle = auth.Throttle(per_client=3, overall=5, window=60, clock=lambda: now[0])
+    for _ in range(3):
+        throttle.failed("a")
+    assert throttle.wait("a") == 60 and throttle.wait("b") == 0
+    throttle.failed("b"), throttle.failed("c")
+    assert throttle.wait("d") == 60  # 5 failures from anyone: everyone waits
+    now[0] = 61
+    assert throttle.wait("a") == 0 and throttle.wait("d") == 0
+    throttle.MAX_CLIENTS = 10
+    for n in range(100):
+        throttle.failed(f"client-{n}")
+    assert len(throttle.clients) <= 10 and len(throttle.all) <= 5
+
+
+# --- login CSRF ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("headers", [{"Origin": "http://evil.example"}, {"Origin": "null"},
+                                     {"Sec-Fetch-Site": "cross-site"},
+                                     {"Sec-Fetch-Site": "same-site"}])
+def test_a_login_from_another_site_is_refused(console, headers):
+    status, answer, body = fetch(console.url + "/login", headers, login_form(ANN))
+    assert status == 403 and "Set-Cookie" not in answer, status
+    assert_security_headers(answer)
+
+
+def test_a_login_from_the_consoles_own_page_is_accepted(console):
+    host = console.url.split("//", 1)[1]
+    for headers in ({"Origin": console.url, "Sec-Fetch-Site": "same-origin"},
+                    {"Origin": f"http://{host}"}, {}):
+        status, answer, _ = fetch(console.url + "/login", headers, login_form(ANN))
+        assert status == 303 and "Set-Cookie" in answer, (headers, status)
+
+
+# --- sessions end on the server -------------------------------------------------------------
+
+SECRET = "a-console-secret-kept-across-restarts-0123456789"
+
+
+def cookie_of(session) -> str:
+    [cookie] = [c for c in session.opener.handlers if hasattr(c, "cookiejar")][0].cookiejar
+    return f"{cookie.name}={cookie.value}"
+
+
+def opens(started: ConsoleProcess, cookie: str) -> int:
+    return fetch(started.url + "/users", {"Cookie": cookie})[0]
+
+
+def test_a_logout_ends_the_session_also_after_a_restart(database_url):
+    env = {"AGENT_INBOX_CONSOLE_SECRET": SECRET}
+    first = ConsoleProcess(database_url, env=env)
+    try:
+        leaving, staying = first.session("ann"), first.session("vic")
+        old, kept = cookie_of(leaving), cookie_of(staying)
+        assert opens(first, old) == 200
+        status, _, _ = leaving.post("/logout", {"csrf": leaving.csrf("/")})
+        assert status == 303
+        assert opens(first, old) == 303  # to the login page
+        second = ConsoleProcess(database_url, env=env)  # another process, the same secret
+        try:
+            assert opens(second, old) == 303
+            assert opens(second, kept) == 200  # a session not ended lives on
+        finally:
+            second.stop()
+    finally:
+        first.stop()
+    again = ConsoleProcess(database_url, env=env)  # a restart
+    try:
+        assert opens(again, old) == 303 and opens(again, kept) == 200
+    finally:
+        again.stop()
+
+
+def test_a_removed_tokens_sessions_do_not_come_back(database_url):
+    env = {"AGENT_INBOX_CONSOLE_SECRET": SECRET}
+    started = ConsoleProcess(database_url, env=env)
+    try:
+        cookie = cookie_of(started.session("vic"))
+        assert opens(started, cookie) == 200
+    finally:
+        started.stop()
+    without_vic = {k: v for k, v in TOKENS.items() if k != "vic"}
+    started = ConsoleProcess(database_url, env=env, tokens=without_vic)
+    try:
+        assert opens(started, cookie) == 303
+    finally:
+        started.stop()
+    started = ConsoleProcess(database_url, env=env)  # vic's token back, unchanged
+    try:
+        assert opens(started, cookie) == 303
+    finally:
+        started.stop()
+
+
+# --- Secure cookies off loopback, and trusted proxies -------------------------------------
+
+def login_cookie_header(url: str, headers: dict, source: str = "127.0.0.1") -> str:
+    host, port = url.split("//", 1)[1].split(":")
+    connection = http.client.HTTPConnection(host, int(port), timeout=10,
+                                            source_address=(source, 0))
+    try:
+        connection.request("POST", "/login", body=login_form(ANN), headers={
+            "Content-Type": "application/x-www-form-urlencoded", **headers})
+        answer = connection.getresponse()
+        answer.read()
+        assert answer.status == 303, answer.status
+        return answer.headers["Set-Cookie"]
+    finally:
+        connection.close()
+
+
+def test_cookies_are_secure_when_listening_off_loopback(database_url):
+    started = ConsoleProcess(database_url, host="0.0.0.0")
+    try:
+        assert "secure" in login_cookie_header(started.url, {}).lower()
+    finally:
+        started.stop()
+    started = ConsoleProcess(database_url)  # on loopback, plain HTTP: not Secure
+    try:
+        assert "secure" not in login_cookie_header(started.url, {}).lower()
+    finally:
+        started.stop()
+
+
+def test_a_trusted_proxy_on_another_host_makes_cookies_secure(database_url):
+    """The proxy on 127.0.0.2 (another host, as compose has it) says the client
+    came over HTTPS: trusted with --forwarded-allow-ips, not by default."""
+    forwarded = {"X-Forwarded-Proto": "https", "X-Forwarded-For": "203.0.113.9"}
+    started = ConsoleProcess(database_url, "--forwarded-allow-ips", "127.0.0.2")
+    try:
+        assert "secure" in login_cookie_header(started.url, forwarded, "127.0.0.2").lower()
+    finally:
+        log = stderr_of(started)
+    assert "console login: ann from '203.0.113.9'" in log
+    started = ConsoleProcess(database_url)
+    try:
+        assert "secure" not in login_cookie_header(started.url, forwarded, "127.0.0.2").lower()
+    finally:
+        started.stop()

@@ -21,6 +21,7 @@ Database work is blocking psycopg, so every handler runs in the threadpool.
 
 import json
 import logging
+import math
 import re
 import urllib.parse
 from dataclasses import dataclass
@@ -38,11 +39,13 @@ from starlette.templating import Jinja2Templates
 from agent_inbox import db, errors, operator, tables, validate
 from agent_inbox.console import auth, queries
 from agent_inbox.console.auth import Authenticator, Principal
-from agent_inbox.ingest.logs import shown
+from agent_inbox.ingest.logs import Throttle, shown
 from agent_inbox.store import admin, outbox, policies, stats, steps
 from agent_inbox.store import memory as memories
 
 log = logging.getLogger("agent_inbox.console")
+# At most this many failure lines a second (then "N more ... not logged").
+_failures = Throttle(per_second=10, what="failed console logins and bearer tokens")
 
 SECURITY_HEADERS = [
     (b"content-security-policy",
@@ -63,6 +66,9 @@ DECISIONS_SHOWN = 20
 @dataclass(frozen=True)
 class Settings:
     hide_payloads_from_viewers: bool = False
+    # Session cookies Secure even over plain HTTP (the console listens off
+    # loopback: a TLS proxy is in front); else Secure over HTTPS only.
+    secure_cookies: bool = False
 
 
 class SecurityHeaders:
@@ -118,15 +124,47 @@ class Console:
     # --- the plumbing -------------------------------------------------------------
 
     def principal(self, request: Request) -> Principal | None:
-        return (self.auth.from_bearer(request.headers.get("authorization"))
-                or self.auth.from_session(request.cookies.get(auth.COOKIE)))
+        """The bearer token's principal if the request has one (a wrong one is
+        a failure: throttled, logged), else the session cookie's."""
+        header = request.headers.get("authorization")
+        if header is not None:
+            principal = self.auth.from_bearer(header)
+            if principal is None:
+                self.count_failure(request, "bearer token")
+            return principal
+        return self.auth.from_session(request.cookies.get(auth.COOKIE))
+
+    def throttled(self, request: Request) -> Response | None:
+        """429 if this client (or everyone) failed too often lately."""
+        wait = self.auth.throttle.wait(_client(request))
+        if wait <= 0:
+            return None
+        seconds = max(1, math.ceil(wait))
+        message = f"too many failed logins lately: try again in {seconds} s"
+        headers = {"Retry-After": str(seconds)}
+        if "authorization" in request.headers or request.url.path.startswith("/api/"):
+            return JSONResponse({"error": message}, status_code=429, headers=headers)
+        return self.render(request, None, "error.html", status_code=429, status=429,
+                           message=message, headers=headers)
+
+    def count_failure(self, request: Request, what: str) -> None:
+        client = _client(request)
+        count = self.auth.throttle.failed(client)
+        _failures.log(log, logging.WARNING, "console: failed %s from %s (%d in the last %d s)",
+                      what, shown(client), count, int(self.auth.throttle.window))
 
     def page(self, right: str, handler):
         """An endpoint: authenticate, check `right`, for a POST read the form and
         check its CSRF token, then run `handler(request, principal, form)` in the
         threadpool."""
         async def endpoint(request: Request) -> Response:
-            principal = self.principal(request)
+            if "authorization" in request.headers and (refused := self.throttled(request)):
+                return refused
+            try:
+                principal = await run_in_threadpool(self.principal, request)
+            except errors.DatabaseUnavailable as exc:
+                log.warning("database unavailable: %s", exc)
+                return PlainTextResponse("the database is unavailable", status_code=503)
             if principal is None:
                 if "authorization" in request.headers or request.url.path.startswith("/api/"):
                     return JSONResponse({"error": "not authenticated"}, status_code=401,
@@ -155,11 +193,11 @@ class Console:
         return endpoint
 
     def render(self, request: Request, principal: Principal | None, name: str,
-               status_code: int = 200, **context) -> Response:
+               status_code: int = 200, headers: dict | None = None, **context) -> Response:
         return self.templates.TemplateResponse(request, name, {
             "me": principal, "csrf": self.auth.csrf_token(principal) if principal else "",
             "show_payloads": self.shows_payloads(principal), **context},
-            status_code=status_code)
+            status_code=status_code, headers=headers)
 
     def refuse(self, request: Request, principal: Principal, status: int, message: str):
         if "authorization" in request.headers:
@@ -177,24 +215,44 @@ class Console:
         return self.render(request, None, "login.html", next=_safe_next(request), failed=False)
 
     async def login(self, request: Request) -> Response:
-        """The one form without a session (so without CSRF): a token, checked in
-        constant time; a session cookie on success."""
+        """The one form without a session (so without a CSRF token): refused if
+        sent from another site (login CSRF: Origin, Sec-Fetch-Site), throttled
+        after failures; a token, checked in constant time; a session cookie on
+        success."""
+        if not _same_site(request):
+            log.warning("console: refused a cross-site login from %s", shown(_client(request)))
+            return self.render(request, None, "error.html", status_code=403, status=403,
+                               message="a login must come from the console's own page")
+        if refused := self.throttled(request):
+            return refused
         form = await _read_form(request) or {}
         token = self.auth.by_token(_one(form, "token") or "")
         target = _safe_next(request, _one(form, "next"))
         if token is None:
+            self.count_failure(request, "login")
             return self.render(request, None, "login.html", status_code=401, next=target,
                                failed=True)
+        try:
+            cookie = await run_in_threadpool(self.auth.new_session, token)
+        except errors.DatabaseUnavailable as exc:
+            log.warning("database unavailable: %s", exc)
+            return self.render(request, None, "error.html", status_code=503, status=503,
+                               message="the database is unavailable")
         response = RedirectResponse(target, status_code=303)
-        response.set_cookie(auth.COOKIE, self.auth.new_session(token),
-                            max_age=self.auth.session_ttl, httponly=True, samesite="strict",
-                            secure=request.url.scheme == "https", path="/")
-        log.info("console login: %s", token.name)
+        response.set_cookie(auth.COOKIE, cookie, max_age=self.auth.session_ttl, httponly=True,
+                            samesite="strict", secure=self.secure(request), path="/")
+        log.info("console login: %s from %s", token.name, shown(_client(request)))
         return response
 
+    def secure(self, request: Request) -> bool:
+        return self.settings.secure_cookies or request.url.scheme == "https"
+
     def logout(self, request, principal, form) -> Response:
+        self.auth.end_session(principal)
+        log.info("console logout: %s", principal.name)
         response = RedirectResponse("/login", status_code=303)
-        response.delete_cookie(auth.COOKIE, path="/", httponly=True, samesite="strict")
+        response.delete_cookie(auth.COOKIE, path="/", httponly=True, samesite="strict",
+                               secure=self.secure(request))
         return response
 
     # --- overview ----------------------------------------------------------------
@@ -484,6 +542,24 @@ def _rules_page(user: str | None) -> str:
     if user is None:
         return "/policies"
     return f"/user?u={urllib.parse.quote(user, safe='')}#permissions"
+
+
+def _client(request: Request) -> str:
+    """The client's address (uvicorn takes it from X-Forwarded-For only when
+    the proxy is trusted: --forwarded-allow-ips)."""
+    return request.client.host if request.client else "?"
+
+
+def _same_site(request: Request) -> bool:
+    """Whether a form POST came from the console's own pages: a browser says
+    so in Sec-Fetch-Site, or else in Origin (a script sends neither)."""
+    site = request.headers.get("sec-fetch-site")
+    if site is not None:
+        return site in ("same-origin", "none")
+    origin = request.headers.get("origin")
+    if origin is None:
+        return True
+    return urllib.parse.urlsplit(origin).netloc == request.headers.get("host")
 
 
 def _safe_next(request: Request, value: str | None = None) -> str:
