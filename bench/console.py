@@ -28,7 +28,7 @@ from agent_inbox.store import admin, outbox, stats
 from bench.common import RESULTS, VENV_BIN, ours_database, resources, spawn, src_fingerprint
 
 SERVER = "postgresql://postgres@127.0.0.1:5432/postgres"
-TOKEN = "bench-token-0123456789"
+TOKEN = "bench-token-4e8a2c6f0b3d7e1a5c9f2b4d6e8a0c3f"
 WORKERS = 8
 
 FILL = """

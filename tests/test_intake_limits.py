@@ -5,10 +5,15 @@ logged escaped, cut short and rate-limited, the transport options are checked
 (exit 2), and metrics listen on loopback unless told otherwise.
 """
 
+import concurrent.futures
+import contextlib
 import json
 import logging
 import socket
+import time
+import types
 import urllib.parse
+import urllib.request
 
 import psycopg
 import pytest
@@ -161,6 +166,8 @@ def ingest_server(tmp_path, *argv: str) -> list[str]:
     (["--body-timeout", "inf"], "--body-timeout must be a positive number of seconds"),
     (["--max-connections", "0"], "--max-connections must be a positive integer"),
     (["--max-buffered", "-1"], "--max-buffered must be a positive integer"),
+    (["--max-connections-per-client", "0"],
+     "--max-connections-per-client must be a positive integer"),
     (["--max-buffered", "1000", "--max-body", "4096"],
      "--max-buffered must be at least --max-body (4096)"),
 ])
@@ -188,6 +195,8 @@ def test_limits_refuse_bad_values_by_name():
     with pytest.raises(errors.InvalidInput, match="max_connections must be a positive integer"):
         Limits(max_connections=True)
     assert Limits(max_buffered=1 << 20, max_connections=1024).fair_share == 1024
+    assert Limits(max_connections=1000).max_connections_per_client == 100
+    assert Limits(max_connections=20).max_connections_per_client == 10
 
 
 # --- metrics bind loopback unless told ---------------------------------------------------
@@ -222,3 +231,38 @@ def test_metrics_listen_on_loopback_unless_metrics_host_says(spawn_server, datab
     server.base_url()  # serving: the metrics server started before it
     assert listening_address(port) == address
     assert server.stop() == 0
+
+
+# --- /healthz ------------------------------------------------------------------------
+
+class CountingPool:
+    """A pool whose connections count their queries, each taking `delay` s."""
+
+    def __init__(self, delay: float):
+        self.delay = delay
+        self.queries = 0
+
+    @contextlib.contextmanager
+    def connection(self, timeout=None):
+        yield self
+
+    def execute(self, sql):
+        self.queries += 1
+        time.sleep(self.delay)
+
+
+def test_healthz_is_cheap_and_bounded():
+    """100 health checks, 20 at a time: a query per second at most, not one each."""
+    inbox = types.SimpleNamespace(pool=CountingPool(0.2))
+    with serving(build_app(inbox, SECRETS, 4096, 300, threads=4)) as url:
+        started = time.monotonic()
+
+        def check(_):
+            with urllib.request.urlopen(url + "/healthz", timeout=30) as answer:
+                return answer.status, json.loads(answer.read())
+
+        with concurrent.futures.ThreadPoolExecutor(20) as pool:
+            answers = list(pool.map(check, range(100)))
+        took = time.monotonic() - started
+    assert set(map(str, answers)) == {str((200, {"status": "ok"}))}
+    assert inbox.pool.queries <= 2 + took / 1.0, (inbox.pool.queries, took)  # HEALTH_CACHE

@@ -30,6 +30,8 @@ BODY_TIMEOUT = 3.0
 # and serves hundreds of sockets on a loaded 2-core machine.
 MARGIN = 2.0
 BIG_BODY = (1 << 20) - 1  # one byte under the default --max-body
+# Every test client is on 127.0.0.1: a crowd of them stands for many senders.
+MANY_CLIENTS = ("--max-connections-per-client", "1000")
 
 
 def rss_bytes(pid: int) -> int:
@@ -211,7 +213,7 @@ def slow_server(spawn_server, database_url, tmp_path):  # noqa: F811
 def test_trickling_clients_are_closed_in_time_and_a_signed_delivery_goes_through(
         slow_server, inbox):
     room_for_sockets(600)
-    server, base, port = slow_server()
+    server, base, port = slow_server(*MANY_CLIENTS)
     pid = server.process.pid
     baseline = rss_bytes(pid)
     crowd = Crowd(pid)
@@ -263,7 +265,7 @@ def test_many_large_badly_signed_bodies_hold_bounded_memory(slow_server, inbox, 
     the server reads (the review measured +383 MiB of RSS): within the budget,
     large requests wait their turn while a small signed one goes by."""
     room_for_sockets(400)
-    server, base, port = slow_server(*budget)
+    server, base, port = slow_server(*budget, *MANY_CLIENTS)
     pid = server.process.pid
     baseline = rss_bytes(pid)
     crowd = Crowd(pid, tick=0.05)
@@ -303,7 +305,8 @@ def test_many_large_badly_signed_bodies_hold_bounded_memory(slow_server, inbox, 
 
 def test_connections_past_the_cap_are_answered_503_and_closed(slow_server):
     room_for_sockets(100)
-    server, base, port = slow_server("--max-connections", "20")
+    server, base, port = slow_server("--max-connections", "20",
+                                     "--max-connections-per-client", "20")
     held = []
     try:
         for _ in range(20):
@@ -317,6 +320,7 @@ def test_connections_past_the_cap_are_answered_503_and_closed(slow_server):
         while chunk := extra.recv(4096):  # read until the server closes, 10 s at most
             answer += chunk
         assert answer.startswith(b"HTTP/1.1 503 ") and b"retry-after: 5" in answer.lower()
+        assert b"too many connections, retry later" in answer
         assert time.monotonic() - started < 1.0
     finally:
         for sock in held:
@@ -325,3 +329,51 @@ def test_connections_past_the_cap_are_answered_503_and_closed(slow_server):
     deadline = time.monotonic() + 10
     while signed_delivery(base, "after-cap")[0] != 202:
         assert time.monotonic() < deadline, "deliveries were still refused after the crowd left"
+
+
+def read_until_closed(sock: socket.socket) -> bytes:
+    answer = b""
+    while chunk := sock.recv(4096):  # the socket's timeout bounds each read
+        answer += chunk
+    return answer
+
+
+def test_a_request_with_both_lengths_is_refused_and_closed(slow_server, inbox):
+    """Content-Length and Transfer-Encoding together: a proxy trusting the first
+    and this server the second would split requests differently (smuggling)."""
+    server, base, port = slow_server()
+    body = json.dumps({"delivery": "two-lengths"}).encode()
+    signature = "sha256=" + hmac.new(SECRET.encode(), body, hashlib.sha256).hexdigest()
+    chunked = f"{len(body):x}\r\n".encode() + body + b"\r\n0\r\n\r\n"
+    head = github_request(body, signature=signature, delivery="two-lengths")
+    head = head[:-2] + b"Transfer-Encoding: chunked\r\n\r\n"
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        sock.sendall(head + chunked)
+        answer = read_until_closed(sock)  # closed: read ends
+    assert answer.startswith(b"HTTP/1.1 400 "), answer[:80]
+    assert b"both Content-Length and Transfer-Encoding" in answer
+    assert ("github", "two-lengths") not in {(e.source, e.source_id) for e in inbox.events("alice")}
+
+
+def test_one_client_address_cannot_hold_every_connection(slow_server):
+    """A client on 127.0.0.2 opens as many idle sockets as the global cap: past
+    its own share it is refused, and a signed delivery from 127.0.0.1 goes by."""
+    room_for_sockets(100)
+    server, base, port = slow_server("--max-connections", "20")
+    held = []
+    try:
+        for n in range(20):
+            sock = socket.create_connection(("127.0.0.1", port), timeout=10,
+                                            source_address=("127.0.0.2", 0))
+            held.append(sock)
+            if n < 10:  # half the cap is one address's share
+                sock.sendall(b"POST /hooks/github/alice HTTP/1.1\r\n")
+        for sock in held[10:]:
+            answer = read_until_closed(sock)
+            assert answer.startswith(b"HTTP/1.1 503 ") and b"from your address" in answer, answer
+        status, took = signed_delivery(base, "beside-the-hog")
+        assert status == 202, status
+        assert took < 1.0
+    finally:
+        for sock in held:
+            sock.close()

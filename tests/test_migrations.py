@@ -12,7 +12,8 @@ from agent_inbox import errors, migrate, revision
 
 TABLES = {"events", "leases", "timers", "outbox", "operator_actions", "deliveries", "wakes",
           "run_stats", "steps",
-          "memory", "policies", "default_policies", "permit_decisions", "limits"}
+          "memory", "policies", "default_policies", "permit_decisions", "limits",
+          "console_sessions"}
 
 
 def _tables(url: str) -> set[str]:

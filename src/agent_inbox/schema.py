@@ -345,3 +345,21 @@ run_stats = sa.Table(
     sa.Column("died", sa.BigInteger, nullable=False, server_default="0"),
     sa.PrimaryKeyConstraint("minute", "process"),
 )
+
+
+# The web console's live sessions (console/auth.py): the SHA-256 of a session's
+# nonce, whose token (by name, and by its fingerprint under the signing key
+# `key_id`), and until when. A logout deletes its row, a console's start deletes
+# those of tokens it no longer has: the cookie then opens nothing. Not keyed by
+# user: it describes the console's operators.
+console_sessions = sa.Table(
+    "console_sessions",
+    metadata,
+    sa.Column("id", sa.Text, nullable=False),
+    sa.Column("token_name", sa.Text, nullable=False),
+    sa.Column("key_id", sa.Text, nullable=False),
+    sa.Column("fingerprint", sa.Text, nullable=False),
+    sa.Column("created_at", sa.BigInteger, nullable=False, server_default=DB_CLOCK),
+    sa.Column("expires_at", sa.BigInteger, nullable=False),
+    sa.PrimaryKeyConstraint("id"),
+)

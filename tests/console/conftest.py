@@ -17,21 +17,23 @@ import pytest
 CHROMIUM = os.environ.get("AGENT_INBOX_TEST_CHROMIUM", "/usr/bin/chromium")
 CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking",
                  "--disable-component-update", "--disable-sync", "--no-first-run"]
-TOKENS = {"ann": ("operator+approver", "ann-token-0123456789"),
-          "bea": ("approver", "bea-token-0123456789"),
-          "vic": ("viewer", "vic-token-0123456789")}
+TOKENS = {"ann": ("operator+approver", "ann-token-8f3a1c9e5b7d2f4a6c0e9b1d3f5a7c2e"),
+          "bea": ("approver", "bea-token-2d7f9b1e4a6c8e0f3b5d7a9c1e2f4b6d"),
+          "vic": ("viewer", "vic-token-6c1e3a5f7b9d2e4f8a0c6b1d3e5f7a9c")}
 START_TIMEOUT = 30
 
 
 class ConsoleProcess:
     """`agent-inbox console --port 0`, its address read from uvicorn's log line."""
 
-    def __init__(self, database_url: str, *extra: str):
+    def __init__(self, database_url: str, *extra: str, tokens: dict | None = None,
+                 host: str = "127.0.0.1", env: dict | None = None):
         env = {**os.environ, "AGENT_INBOX_CONSOLE_TOKENS": ",".join(
-            f"{name}:{role}:{token}" for name, (role, token) in TOKENS.items())}
+            f"{name}:{role}:{token}" for name, (role, token) in (tokens or TOKENS).items()),
+            **(env or {})}
         self.process = subprocess.Popen(
             [sys.executable, "-m", "agent_inbox.cli", "console", "--database-url", database_url,
-             "--host", "127.0.0.1", "--port", "0", *extra],
+             "--host", host, "--port", "0", *extra],
             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
         self.url = self._address()
 
@@ -39,9 +41,9 @@ class ConsoleProcess:
         lines = []
         for line in self.process.stderr:  # ends if the process exits
             lines.append(line)
-            found = re.search(r"Uvicorn running on (http://127\.0\.0\.1:\d+)", line)
-            if found:
-                return found.group(1)
+            found = re.search(r"Uvicorn running on http://\S+:(\d+)", line)
+            if found:  # any listening address: the test connects over loopback
+                return f"http://127.0.0.1:{found.group(1)}"
         self.process.wait(timeout=START_TIMEOUT)
         raise AssertionError("the console did not start:\n" + "".join(lines))
 

@@ -19,13 +19,13 @@ PAGES = ("/", "/api/overview", "/overview/chart.svg", "/users", "/users?q=al", "
     (None, "none configured: set AGENT_INBOX_CONSOLE_TOKENS"),
     ("", "none configured"),
     ("ann:operator:short-token", "entry 1 has a token shorter than 16 characters"),
-    ("ann:operator:long-enough-token-1,bob:root:long-enough-token-2",
+    ("ann:operator:long-enough-token-1-5f0c9e2a7b3d41e8a6c2d9f0b7e1a3c4,bob:root:long-enough-token-2-9a4e6c1b3d5f72a8e0c4b6d8f1a3e5c7",
      "entry 2 has unknown role 'root'"),
     ("ann:operator", "entry 1 must be name:role:token"),
     ("just-a-token-0123456789", "entry 1 must be name:role:token"),
-    ("ann:viewer:long-enough-token-1,ann:operator:long-enough-token-2",
+    ("ann:viewer:long-enough-token-1-5f0c9e2a7b3d41e8a6c2d9f0b7e1a3c4,ann:operator:long-enough-token-2-9a4e6c1b3d5f72a8e0c4b6d8f1a3e5c7",
      "entry 2 repeats a name given before"),
-    ("ann:viewer:long-enough-token-1,bob:operator:long-enough-token-1",
+    ("ann:viewer:long-enough-token-1-5f0c9e2a7b3d41e8a6c2d9f0b7e1a3c4,bob:operator:long-enough-token-1-5f0c9e2a7b3d41e8a6c2d9f0b7e1a3c4",
      "entry 2 repeats another entry's token"),
 ])
 def test_bad_tokens_refuse_to_start(monkeypatch, capsys, tokens, message):
@@ -43,7 +43,7 @@ def test_bad_tokens_refuse_to_start(monkeypatch, capsys, tokens, message):
 def test_a_tokens_file_is_read_and_checked(monkeypatch, capsys, tmp_path):
     monkeypatch.delenv("AGENT_INBOX_CONSOLE_TOKENS", raising=False)
     tokens = tmp_path / "tokens"
-    tokens.write_text("# operators\nann:operator:long-enough-token-1\n\nvic:nobody:long-enough-2\n")
+    tokens.write_text("# operators\nann:operator:long-enough-token-1-5f0c9e2a7b3d41e8a6c2d9f0b7e1a3c4\n\nvic:nobody:long-enough-2\n")
     code = cli.main(["console", "--database-url", "postgresql://127.0.0.1:1/none",
                      "--tokens-file", str(tokens)])
     err = capsys.readouterr().err
@@ -137,7 +137,7 @@ def test_a_worker_records_its_runs_for_the_chart(inbox, database_url):
 def test_sessions_expire_and_cannot_be_forged():
     from agent_inbox.console import auth
 
-    [token] = auth.parse_tokens("ann:operator:long-enough-token-1", "test")
+    [token] = auth.parse_tokens("ann:operator:long-enough-token-1-5f0c9e2a7b3d41e8a6c2d9f0b7e1a3c4", "test")
     signer = auth.Authenticator([token], session_ttl=60)
     cookie = signer.new_session(token, now=1000)
     assert signer.from_session(cookie, now=1059).name == "ann"
@@ -146,11 +146,11 @@ def test_sessions_expire_and_cannot_be_forged():
     assert signer.from_session(body[:-2] + "xx." + mac, now=1000) is None  # tampered
     other = auth.Authenticator([token], session_ttl=60)  # another key: a restart
     assert other.from_session(cookie, now=1000) is None
-    [rotated] = auth.parse_tokens("ann:operator:long-enough-token-2", "test")
+    [rotated] = auth.parse_tokens("ann:operator:long-enough-token-2-9a4e6c1b3d5f72a8e0c4b6d8f1a3e5c7", "test")
     assert auth.Authenticator([rotated], session_ttl=60, key=signer.key).from_session(
         cookie, now=1000) is None  # the token changed: its sessions end
     principal = signer.from_session(cookie, now=1000)
     assert signer.csrf_ok(principal, signer.csrf_token(principal))
     assert not signer.csrf_ok(principal, "") and not signer.csrf_ok(principal, None)
-    assert signer.from_bearer("Bearer long-enough-token-1").nonce is None
+    assert signer.from_bearer("Bearer long-enough-token-1-5f0c9e2a7b3d41e8a6c2d9f0b7e1a3c4").nonce is None
     assert signer.from_bearer("Bearer long-enough-token-9") is None

@@ -11,13 +11,17 @@ Invariants:
   webhook bodies), and every response carries a Content-Security-Policy that
   allows only the console's own scripts, styles and images (no inline ones);
 - pages read through console/queries.py and the CLI's views: plain SELECTs,
-  never a lease row lock.
+  never a lease row lock;
+- a bad parameter (a NUL, a number that is not ASCII digits or does not fit a
+  bigint) is a 400 naming it, and every answer, a 500 included, carries the
+  security headers; user ids in log lines are escaped (ingest/logs.shown).
 
 Database work is blocking psycopg, so every handler runs in the threadpool.
 """
 
 import json
 import logging
+import math
 import re
 import urllib.parse
 from dataclasses import dataclass
@@ -26,7 +30,6 @@ from importlib import resources
 import jinja2
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
-from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, RedirectResponse, Response
 from starlette.routing import Mount, Route
@@ -36,10 +39,13 @@ from starlette.templating import Jinja2Templates
 from agent_inbox import db, errors, operator, tables, validate
 from agent_inbox.console import auth, queries
 from agent_inbox.console.auth import Authenticator, Principal
+from agent_inbox.ingest.logs import Throttle, shown
 from agent_inbox.store import admin, outbox, policies, stats, steps
 from agent_inbox.store import memory as memories
 
 log = logging.getLogger("agent_inbox.console")
+# At most this many failure lines a second (then "N more ... not logged").
+_failures = Throttle(per_second=10, what="failed console logins and bearer tokens")
 
 SECURITY_HEADERS = [
     (b"content-security-policy",
@@ -60,6 +66,9 @@ DECISIONS_SHOWN = 20
 @dataclass(frozen=True)
 class Settings:
     hide_payloads_from_viewers: bool = False
+    # Session cookies Secure even over plain HTTP (the console listens off
+    # loopback: a TLS proxy is in front); else Secure over HTTPS only.
+    secure_cookies: bool = False
 
 
 class SecurityHeaders:
@@ -85,6 +94,14 @@ class SecurityHeaders:
         await self.app(scope, receive, with_headers)
 
 
+class _ConsoleApp(Starlette):
+    """Starlette with SecurityHeaders outside its error middleware, so that a
+    500 carries them too."""
+
+    def build_middleware_stack(self):
+        return SecurityHeaders(super().build_middleware_stack())
+
+
 class Forbidden(Exception):
     pass
 
@@ -107,15 +124,47 @@ class Console:
     # --- the plumbing -------------------------------------------------------------
 
     def principal(self, request: Request) -> Principal | None:
-        return (self.auth.from_bearer(request.headers.get("authorization"))
-                or self.auth.from_session(request.cookies.get(auth.COOKIE)))
+        """The bearer token's principal if the request has one (a wrong one is
+        a failure: throttled, logged), else the session cookie's."""
+        header = request.headers.get("authorization")
+        if header is not None:
+            principal = self.auth.from_bearer(header)
+            if principal is None:
+                self.count_failure(request, "bearer token")
+            return principal
+        return self.auth.from_session(request.cookies.get(auth.COOKIE))
+
+    def throttled(self, request: Request) -> Response | None:
+        """429 if this client (or everyone) failed too often lately."""
+        wait = self.auth.throttle.wait(_client(request))
+        if wait <= 0:
+            return None
+        seconds = max(1, math.ceil(wait))
+        message = f"too many failed logins lately: try again in {seconds} s"
+        headers = {"Retry-After": str(seconds)}
+        if "authorization" in request.headers or request.url.path.startswith("/api/"):
+            return JSONResponse({"error": message}, status_code=429, headers=headers)
+        return self.render(request, None, "error.html", status_code=429, status=429,
+                           message=message, headers=headers)
+
+    def count_failure(self, request: Request, what: str) -> None:
+        client = _client(request)
+        count = self.auth.throttle.failed(client)
+        _failures.log(log, logging.WARNING, "console: failed %s from %s (%d in the last %d s)",
+                      what, shown(client), count, int(self.auth.throttle.window))
 
     def page(self, right: str, handler):
         """An endpoint: authenticate, check `right`, for a POST read the form and
         check its CSRF token, then run `handler(request, principal, form)` in the
         threadpool."""
         async def endpoint(request: Request) -> Response:
-            principal = self.principal(request)
+            if "authorization" in request.headers and (refused := self.throttled(request)):
+                return refused
+            try:
+                principal = await run_in_threadpool(self.principal, request)
+            except errors.DatabaseUnavailable as exc:
+                log.warning("database unavailable: %s", exc)
+                return PlainTextResponse("the database is unavailable", status_code=503)
             if principal is None:
                 if "authorization" in request.headers or request.url.path.startswith("/api/"):
                     return JSONResponse({"error": "not authenticated"}, status_code=401,
@@ -144,11 +193,11 @@ class Console:
         return endpoint
 
     def render(self, request: Request, principal: Principal | None, name: str,
-               status_code: int = 200, **context) -> Response:
+               status_code: int = 200, headers: dict | None = None, **context) -> Response:
         return self.templates.TemplateResponse(request, name, {
             "me": principal, "csrf": self.auth.csrf_token(principal) if principal else "",
             "show_payloads": self.shows_payloads(principal), **context},
-            status_code=status_code)
+            status_code=status_code, headers=headers)
 
     def refuse(self, request: Request, principal: Principal, status: int, message: str):
         if "authorization" in request.headers:
@@ -166,24 +215,44 @@ class Console:
         return self.render(request, None, "login.html", next=_safe_next(request), failed=False)
 
     async def login(self, request: Request) -> Response:
-        """The one form without a session (so without CSRF): a token, checked in
-        constant time; a session cookie on success."""
+        """The one form without a session (so without a CSRF token): refused if
+        sent from another site (login CSRF: Origin, Sec-Fetch-Site), throttled
+        after failures; a token, checked in constant time; a session cookie on
+        success."""
+        if not _same_site(request):
+            log.warning("console: refused a cross-site login from %s", shown(_client(request)))
+            return self.render(request, None, "error.html", status_code=403, status=403,
+                               message="a login must come from the console's own page")
+        if refused := self.throttled(request):
+            return refused
         form = await _read_form(request) or {}
         token = self.auth.by_token(_one(form, "token") or "")
         target = _safe_next(request, _one(form, "next"))
         if token is None:
+            self.count_failure(request, "login")
             return self.render(request, None, "login.html", status_code=401, next=target,
                                failed=True)
+        try:
+            cookie = await run_in_threadpool(self.auth.new_session, token)
+        except errors.DatabaseUnavailable as exc:
+            log.warning("database unavailable: %s", exc)
+            return self.render(request, None, "error.html", status_code=503, status=503,
+                               message="the database is unavailable")
         response = RedirectResponse(target, status_code=303)
-        response.set_cookie(auth.COOKIE, self.auth.new_session(token),
-                            max_age=self.auth.session_ttl, httponly=True, samesite="strict",
-                            secure=request.url.scheme == "https", path="/")
-        log.info("console login: %s", token.name)
+        response.set_cookie(auth.COOKIE, cookie, max_age=self.auth.session_ttl, httponly=True,
+                            samesite="strict", secure=self.secure(request), path="/")
+        log.info("console login: %s from %s", token.name, shown(_client(request)))
         return response
 
+    def secure(self, request: Request) -> bool:
+        return self.settings.secure_cookies or request.url.scheme == "https"
+
     def logout(self, request, principal, form) -> Response:
+        self.auth.end_session(principal)
+        log.info("console logout: %s", principal.name)
         response = RedirectResponse("/login", status_code=303)
-        response.delete_cookie(auth.COOKIE, path="/", httponly=True, samesite="strict")
+        response.delete_cookie(auth.COOKIE, path="/", httponly=True, samesite="strict",
+                               secure=self.secure(request))
         return response
 
     # --- overview ----------------------------------------------------------------
@@ -210,8 +279,8 @@ class Console:
     # --- users -------------------------------------------------------------------
 
     def users(self, request, principal, form) -> Response:
-        prefix = request.query_params.get("q", "")
-        after = request.query_params.get("after", "")
+        prefix = _param(request, "q")
+        after = _param(request, "after")
         with db.connection(self.inbox.pool) as conn:
             rows, now = queries.users(conn, prefix, after, queries.PAGE + 1)
         more = len(rows) > queries.PAGE
@@ -221,8 +290,8 @@ class Console:
                            next_after=next_after, now=now)
 
     def user(self, request, principal, form) -> Response:
-        user = request.query_params.get("u", "")
-        before = _int(request.query_params.get("before"), 2**63 - 1)
+        user = _param(request, "u")
+        before = _int("before", request.query_params.get("before"), 2**63 - 1)
         with db.connection(self.inbox.pool) as conn:
             lease = queries.lease(conn, user)
             events = queries.timeline(conn, user, before, queries.PAGE + 1)
@@ -272,7 +341,7 @@ class Console:
             else:
                 done = admin.discard(conn, pairs, principal.actor)
         log.info("console %s by %s: %d of %d events: %s", action, principal.actor, len(done),
-                 len(pairs), ", ".join(f"{r['user']}/{r['id']}" for r in done))
+                 len(pairs), ", ".join(f"{shown(r['user'])}/{r['id']}" for r in done))
         done_keys = {(r["user"], r["id"]) for r in done}
         return self.render(request, principal, "done.html", what="dead events", action=action,
                            past=_PAST[action], done=done,
@@ -319,8 +388,8 @@ class Console:
         user, request_id = _one(form, "user") or "", _one(form, "request") or ""
         answer = _action(form, ("yes", "no"), field="answer")
         standing = self.inbox.answer_approval(user, request_id, answer)
-        log.info("console approval by %s: user=%r request=%r answer=%s standing=%s",
-                 principal.actor, user, request_id, answer, standing)
+        log.info("console approval by %s: user=%s request=%s answer=%s standing=%s",
+                 principal.actor, shown(user), shown(request_id), answer, standing)
         notice = operator.describe_answer(user, request_id, answer, standing)
         return self.approvals(request, principal, form, notice=notice)
 
@@ -342,16 +411,16 @@ class Console:
                                policies.DEFAULT_ASK_EXPIRES_IN)
         self.inbox.set_policy(tool, answer, user=user, ask_expires_in=expires_in,
                               actor=principal.actor)
-        log.info("console policy set by %s: user=%r tool=%r answer=%s ask_expires_in=%d",
-                 principal.actor, user, tool, answer, expires_in)
+        log.info("console policy set by %s: user=%s tool=%s answer=%s ask_expires_in=%d",
+                 principal.actor, _shown(user), shown(tool), answer, expires_in)
         return RedirectResponse(_rules_page(user), status_code=303)
 
     def policy_clear(self, request, principal, form) -> Response:
         user = _policy_scope(form)
         tool = (_one(form, "tool") or "").strip()
         cleared = self.inbox.clear_policy(tool, user=user, actor=principal.actor)
-        log.info("console policy clear by %s: user=%r tool=%r cleared=%s", principal.actor,
-                 user, tool, cleared)
+        log.info("console policy clear by %s: user=%s tool=%s cleared=%s", principal.actor,
+                 _shown(user), shown(tool), cleared)
         if not cleared:
             scope = "the defaults have" if user is None else f"user {user!r} has"
             return self.refuse(request, principal, 404,
@@ -391,7 +460,7 @@ def build_app(inbox, authenticator: Authenticator, settings: Settings = Settings
         Route("/healthz", lambda request: PlainTextResponse("ok")),
         Mount("/static", StaticFiles(directory=str(static)), name="static"),
     ]
-    return Starlette(routes=routes, middleware=[Middleware(SecurityHeaders)])
+    return _ConsoleApp(routes=routes)
 
 
 # --- forms -------------------------------------------------------------------------
@@ -425,7 +494,7 @@ def _picked_events(form: dict) -> list[tuple[str, int]]:
     pairs = []
     for value in form.get("pick", []):
         event_id, _, user = value.partition(":")
-        if not event_id.isdigit() or not user:
+        if _bigint(event_id) is None or not user or "\x00" in user:
             raise errors.InvalidInput("pick", value, "must be <event id>:<user>")
         pairs.append((user, int(event_id)))
     return _bounded(sorted(set(pairs)))
@@ -433,7 +502,7 @@ def _picked_events(form: dict) -> list[tuple[str, int]]:
 
 def _picked_batches(form: dict) -> set[int]:
     values = form.get("pick", [])
-    if not all(v.isdigit() for v in values):
+    if not all(_bigint(v) is not None for v in values):
         raise errors.InvalidInput("pick", values, "must be batch ids")
     return set(_bounded(sorted({int(v) for v in values})))
 
@@ -475,6 +544,24 @@ def _rules_page(user: str | None) -> str:
     return f"/user?u={urllib.parse.quote(user, safe='')}#permissions"
 
 
+def _client(request: Request) -> str:
+    """The client's address (uvicorn takes it from X-Forwarded-For only when
+    the proxy is trusted: --forwarded-allow-ips)."""
+    return request.client.host if request.client else "?"
+
+
+def _same_site(request: Request) -> bool:
+    """Whether a form POST came from the console's own pages: a browser says
+    so in Sec-Fetch-Site, or else in Origin (a script sends neither)."""
+    site = request.headers.get("sec-fetch-site")
+    if site is not None:
+        return site in ("same-origin", "none")
+    origin = request.headers.get("origin")
+    if origin is None:
+        return True
+    return urllib.parse.urlsplit(origin).netloc == request.headers.get("host")
+
+
 def _safe_next(request: Request, value: str | None = None) -> str:
     """Where to go after logging in: a path on this console only."""
     target = value if value is not None else request.query_params.get("next", "/")
@@ -483,8 +570,36 @@ def _safe_next(request: Request, value: str | None = None) -> str:
     return target
 
 
-def _int(value: str | None, default: int) -> int:
-    return int(value) if value and value.isdigit() and int(value) < 2**63 else default
+_DIGITS = re.compile(r"[0-9]{1,19}")  # ASCII only: str.isdigit() also takes '²'
+
+
+def _bigint(value: str) -> int | None:
+    """`value` as a non-negative bigint, or None if it is not one."""
+    if not _DIGITS.fullmatch(value) or int(value) >= 2**63:
+        return None
+    return int(value)
+
+
+def _int(field: str, value: str | None, default: int) -> int:
+    """A query parameter's bigint, `default` if absent or empty; 400 otherwise."""
+    if not value:
+        return default
+    number = _bigint(value)
+    if number is None:
+        raise errors.InvalidInput(field, value, "must be a whole number below 2**63")
+    return number
+
+
+def _param(request: Request, name: str) -> str:
+    """A text query parameter ('' if absent); 400 if PostgreSQL could not take it."""
+    value = request.query_params.get(name, "")
+    if "\x00" in value:
+        raise errors.InvalidInput(name, value, "must not contain NUL characters")
+    return value
+
+
+def _shown(user: str | None) -> str:
+    return "(defaults)" if user is None else shown(user)
 
 
 # --- presentation ------------------------------------------------------------------

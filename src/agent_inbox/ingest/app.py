@@ -56,6 +56,9 @@ log = logging.getLogger("agent_inbox.ingest")
 _UNKNOWN_KEYS = tuple(_random.token_bytes(32) for _ in range(MAX_SECRETS))
 # Seconds a health check waits for a pooled connection.
 HEALTH_TIMEOUT = 5.0
+# Seconds a health check's answer is reused: at most one database query per
+# this interval, however many requests come (they wait on the one in flight).
+HEALTH_CACHE = 1.0
 
 
 class Reject(Exception):
@@ -348,11 +351,24 @@ def build_app(inbox, secrets: SecretStore | Mapping[str, Mapping[str, Any]],
         return await receive(request, request.path_params["source"],
                              ("webhook-signature", "X-Signature"))
 
+    health = {"at": -HEALTH_CACHE, "ok": False}
+    health_lock = anyio.Lock()
+
     async def healthz(request: Request) -> JSONResponse:
-        try:
-            await run_in_threadpool(_ping, inbox)
-        except Exception as exc:
-            log.warning("health check: the database did not answer: %s", type(exc).__name__)
+        """Cheap and bounded: one query at a time, its answer reused for
+        HEALTH_CACHE seconds (the requests meanwhile wait on it, not on the pool)."""
+        async with health_lock:
+            if time.monotonic() - health["at"] >= HEALTH_CACHE:
+                try:
+                    await run_in_threadpool(_ping, inbox)
+                    health["ok"] = True
+                except Exception as exc:
+                    log.warning("health check: the database did not answer: %s",
+                                type(exc).__name__)
+                    health["ok"] = False
+                health["at"] = time.monotonic()
+            ok = health["ok"]
+        if not ok:
             return JSONResponse({"status": "unavailable", "error": "database unavailable"},
                                 status_code=503)
         return JSONResponse({"status": "ok"})

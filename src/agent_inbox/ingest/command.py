@@ -62,6 +62,11 @@ def add_parser(commands) -> argparse.ArgumentParser:
                         default=env_default("max-connections", DEFAULT_MAX_CONNECTIONS),
                         help="connections at once; one more is answered 503 and closed "
                              f"(default {DEFAULT_MAX_CONNECTIONS})")
+    parser.add_argument("--max-connections-per-client", type=int,
+                        default=env_default("max-connections-per-client"),
+                        help="connections at once from one client address; one more is "
+                             "answered 503 and closed (default half of --max-connections, at "
+                             "most 100; behind a proxy every client is the proxy's address)")
     parser.add_argument("--max-buffered", type=int,
                         default=env_default("max-buffered", DEFAULT_MAX_BUFFERED),
                         help="bytes of requests held across all connections before large ones "
@@ -92,6 +97,10 @@ def cmd_ingest_server(args: argparse.Namespace) -> int:
                               body_timeout=_number("--body-timeout", args.body_timeout),
                               max_connections=validate.positive_int("--max-connections",
                                                                     args.max_connections),
+                              max_connections_per_client=None
+                              if args.max_connections_per_client is None
+                              else validate.positive_int("--max-connections-per-client",
+                                                         args.max_connections_per_client),
                               max_buffered=validate.positive_int("--max-buffered",
                                                                  args.max_buffered))
     if limits.max_buffered < max_body:

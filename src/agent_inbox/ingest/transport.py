@@ -10,8 +10,14 @@ Invariants, per server process (one event loop, so no locks):
 - **A body** must arrive whole within `body_timeout` seconds of its headers,
   whether the application reads it or has already answered. Past it: 408 if no
   answer was sent yet, else the socket is closed.
-- **Connections**: at most `max_connections` at once; one more is answered 503
-  (Retry-After) and closed at once, before it can send anything.
+- **Connections**: at most `max_connections` at once, and at most
+  `max_connections_per_client` from one client address (the socket's peer:
+  behind a proxy, the proxy's); one more is answered 503 (Retry-After) and
+  closed at once, before it can send anything. So one client holding idle
+  sockets cannot lock the other senders out.
+- **One length**: a request with both Content-Length and Transfer-Encoding
+  (which a proxy and this server could each read differently: request
+  smuggling) is answered 400 and its connection closed, unread.
 - **Buffered bytes**: a request's bytes count from the moment they are read off
   its socket until its response is sent (they sit in uvicorn's buffer, then in
   the application's), summed over every connection. While that sum is over
@@ -44,6 +50,9 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 from agent_inbox import errors, metrics
 from agent_inbox.ingest import (DEFAULT_BODY_TIMEOUT, DEFAULT_HEADER_TIMEOUT,
                                 DEFAULT_MAX_BUFFERED, DEFAULT_MAX_CONNECTIONS)
+
+# The default cap per client address: half the global cap, at most this many.
+MAX_CONNECTIONS_PER_CLIENT = 100
 from agent_inbox.ingest.logs import Throttle
 
 log = logging.getLogger("agent_inbox.ingest")
@@ -79,16 +88,35 @@ class Limits:
     def __init__(self, *, header_timeout: float = DEFAULT_HEADER_TIMEOUT,
                  body_timeout: float = DEFAULT_BODY_TIMEOUT,
                  max_connections: int = DEFAULT_MAX_CONNECTIONS,
+                 max_connections_per_client: int | None = None,
                  max_buffered: int = DEFAULT_MAX_BUFFERED):
         self.header_timeout = _positive_seconds("header_timeout", header_timeout)
         self.body_timeout = _positive_seconds("body_timeout", body_timeout)
         self.max_connections = _positive_int("max_connections", max_connections)
+        if max_connections_per_client is None:
+            max_connections_per_client = default_per_client(self.max_connections)
+        self.max_connections_per_client = _positive_int("max_connections_per_client",
+                                                        max_connections_per_client)
+        # Open connections per client address.
+        self.clients: dict[str, int] = {}
         self.max_buffered = _positive_int("max_buffered", max_buffered)
         self.fair_share = max(1, self.max_buffered // self.max_connections)
         self.held = 0
         # Connections holding over their fair share, oldest first (a dict as an
         # ordered set).
         self.large: dict["LimitedH11Protocol", None] = {}
+
+    def add_client(self, host: str) -> bool:
+        """Count a connection from `host`; False if it is one too many."""
+        self.clients[host] = self.clients.get(host, 0) + 1
+        return self.clients[host] <= self.max_connections_per_client
+
+    def remove_client(self, host: str) -> None:
+        left = self.clients.get(host, 0) - 1
+        if left > 0:
+            self.clients[host] = left
+        else:
+            self.clients.pop(host, None)
 
     def over_budget(self) -> bool:
         return self.held > self.max_buffered
@@ -132,7 +160,11 @@ class _Flow(FlowControl):
             self._apply()
 
 
-_PHRASES = {408: "Request Timeout", 503: "Service Unavailable"}
+def default_per_client(max_connections: int) -> int:
+    return max(1, min(MAX_CONNECTIONS_PER_CLIENT, max_connections // 2))
+
+
+_PHRASES = {400: "Bad Request", 408: "Request Timeout", 503: "Service Unavailable"}
 
 
 class LimitedH11Protocol(H11Protocol):
@@ -145,6 +177,7 @@ class LimitedH11Protocol(H11Protocol):
         self._deadline: asyncio.TimerHandle | None = None
         self._phase: str | None = None
         self._held = 0
+        self._host: str | None = None
 
     # --- the connection's life ------------------------------------------------
 
@@ -153,11 +186,30 @@ class LimitedH11Protocol(H11Protocol):
         with contextlib.suppress(AttributeError, TypeError):
             transport.max_size = READ_SIZE  # asyncio's selector transports read this
         self.flow = _Flow(transport)
+        self.conn.next_event = self._next_event  # type: ignore[method-assign]
+        self._host = self.client[0] if self.client else "?"
+        within_share = self.limits.add_client(self._host)
         if len(self.connections) > self.limits.max_connections:
             self._refuse(503, "too many connections, retry later", "too_many_connections",
                          retry_after=True)
             return
+        if not within_share:
+            self._refuse(503, "too many connections from your address, retry later",
+                         "too_many_client_connections", retry_after=True)
+            return
         self._arm("headers")
+
+    def _next_event(self):
+        """h11's next event, but a request with two lengths refused (h11 would
+        let Transfer-Encoding win)."""
+        event = h11.Connection.next_event(self.conn)
+        if isinstance(event, h11.Request):
+            names = {name for name, _ in event.headers}
+            if b"content-length" in names and b"transfer-encoding" in names:
+                self._refuse(400, "a request may not carry both Content-Length and "
+                                  "Transfer-Encoding", "ambiguous_length")
+                return h11.PAUSED
+        return event
 
     def data_received(self, data: bytes) -> None:
         if self.cycle is None or not self.cycle.response_complete:
@@ -177,6 +229,9 @@ class LimitedH11Protocol(H11Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         super().connection_lost(exc)
+        if self._host is not None:
+            self.limits.remove_client(self._host)
+            self._host = None
         self._arm(None)
         self._release()
 
