@@ -5,7 +5,7 @@ messages (store/outbox.py holds the rules)."""
 from collections.abc import Callable
 from typing import Any
 
-from agent_inbox import db, errors, tracing, validate
+from agent_inbox import citus, db, errors, tracing, validate
 from agent_inbox.records import OutboxMessage
 from agent_inbox.store import bucketed, outbox
 from agent_inbox.store.outbox import Batch, Failure
@@ -124,6 +124,18 @@ class Delivery:
                                                  backoff_base=policy.backoff_base,
                                                  backoff_cap=policy.backoff_cap, now=now)
         return recorded
+
+    def repace(self, *, now: int | None = None) -> int:
+        """Apply this inbox's `outbox_gap` to users paced by a longer one (the
+        dispatcher does this at start and once a minute): their held messages
+        are due at their last send + this gap. The number of users changed."""
+        with db.connection(self._pool) as conn:
+            users = outbox.stale_pace_users(conn, self.outbox_gap, now)
+            changed = 0
+            for group in citus.groups(conn, users, lambda user: user):
+                with conn.transaction():
+                    changed += outbox.repace(conn, group, self.outbox_gap, now)
+        return changed
 
     def seconds_to_next_delivery(self, *, now: int | None = None) -> int | None:
         """Seconds until a user's delivery is next due (None: nothing held)."""

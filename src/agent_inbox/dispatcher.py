@@ -72,12 +72,17 @@ class Dispatcher:
         self._unrecorded: list[Sent] = []
         self._in_flight = 0
         self._adopted_at = float("-inf")
+        self._repaced_at = float("-inf")
 
     def run_once(self, *, now: int | None = None) -> float | None:
         """Send every batch that is due, `concurrency` at a time, recording each
         outcome, until none is left to claim and every send has ended; then the
-        seconds until a user is next due (None: nothing held)."""
+        seconds until a user is next due (None: nothing held). The first pass,
+        and one a minute after, applies this dispatcher's gap to users paced by
+        a longer one (`Inbox.repace`): lowering --outbox-gap releases messages
+        already held."""
         self._record(now)
+        self.repace(now=now)
         while True:
             free = self.concurrency - self._in_flight
             if free and not self.stop.is_set() and (
@@ -193,6 +198,17 @@ class Dispatcher:
             else:
                 log.warning("send failed user=%s key=%s: %s; retried after a backoff",
                             f.batch.user, f.batch.key, f.error)
+
+    def repace(self, *, now: int | None = None) -> None:
+        """At most every ADOPT_EVERY seconds (the first pass at once): users paced
+        by a longer gap than this dispatcher's are due by its gap."""
+        if time.monotonic() - self._repaced_at < ADOPT_EVERY:
+            return
+        repaced = self.inbox.repace(now=now)
+        self._repaced_at = time.monotonic()
+        if repaced:
+            log.info("%d users paced by a longer gap than %d s: due by this one", repaced,
+                     self.inbox.outbox_gap)
 
     def adopt_held(self, *, now: int | None = None) -> None:
         """At most every ADOPT_EVERY seconds: make users due whose held messages
