@@ -30,10 +30,37 @@ def pooler_name(value: str) -> str:
     return value
 
 
+URL_SCHEMES = ("postgresql", "postgres")
+
+
+def database_url(value: str) -> str:
+    """A --database-url (or --listen-url) as libpq reads it, checked before any
+    command connects: a `postgresql://` (or `postgres://`) URL or a `key=value`
+    connection string. Anything else is bad configuration: argparse's message
+    and exit 2, whichever command or service (a worker does not start a
+    runtime for it). The value is not echoed: it may hold a password."""
+    from psycopg import conninfo
+
+    if not value:
+        return value  # none: the command says whether it needs one
+    scheme, sep, _ = value.partition("://")
+    if sep and scheme.lower() not in URL_SCHEMES:
+        raise argparse.ArgumentTypeError(
+            f"not a PostgreSQL URL: its scheme is {scheme[:20]!r}, not postgresql:// or "
+            "postgres:// (or give a libpq string such as 'host=db dbname=app user=app')")
+    try:
+        conninfo.conninfo_to_dict(value)
+    except Exception as exc:
+        problem = str(exc).strip().replace(value, "...") or type(exc).__name__
+        raise argparse.ArgumentTypeError(
+            f"not a PostgreSQL URL or libpq connection string ({problem})") from None
+    return value
+
+
 def add_database_url(parser: argparse.ArgumentParser, *, required: bool) -> None:
     """--database-url, and --pooler: what sits between it and PostgreSQL."""
     parser.add_argument(
-        "--database-url", default=env_default("database-url"),
+        "--database-url", default=env_default("database-url"), type=database_url,
         help="PostgreSQL URL or libpq connection string (env AGENT_INBOX_DATABASE_URL)"
              + ("" if required else "; without one, a throwaway local cluster is used"))
     parser.add_argument(
@@ -244,7 +271,7 @@ def _service_parser(commands, name: str, help_text: str, poll_default: float):
     add_service_options(parser)
     parser.add_argument("--poll-interval", type=float, default=env_default("poll-interval", poll_default),
                         help=f"seconds between polls when no notification comes (default {poll_default})")
-    parser.add_argument("--listen-url", default=env_default("listen-url"),
+    parser.add_argument("--listen-url", default=env_default("listen-url"), type=database_url,
                         help="a direct PostgreSQL URL (not a transaction pooler's) to LISTEN on "
                              "for wake-ups; default: --database-url, or none with --pooler "
                              "transaction, and the service polls (env AGENT_INBOX_LISTEN_URL)")
