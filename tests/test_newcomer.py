@@ -86,3 +86,13 @@ def test_a_worker_given_a_malformed_url_exits_2_and_starts_no_runtime():
                                  "host=db dbname=app user=app", "postgresql:///app?host=/tmp"])
 def test_good_urls_and_connection_strings_pass(url):
     assert cli.database_url(url) == url
+
+
+# --- the worker's default concurrency fits agents -------------------------------------------
+
+def test_the_worker_runs_many_runs_at_once_by_default(monkeypatch):
+    monkeypatch.delenv("AGENT_INBOX_CONCURRENCY", raising=False)
+    args = cli.build_parser().parse_args(["worker", "--handler", "myapp.agent:handle"])
+    assert int(args.concurrency) == 100
+    worker = cli.build_parser()._subparsers._group_actions[0].choices["worker"]
+    assert "default 100" in worker.format_help() and "thread" in worker.format_help()

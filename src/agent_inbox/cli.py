@@ -218,6 +218,10 @@ def require_memory_room(worker) -> None:
                                   f"must be above the runtime's memory at start ({rss:.0f} MiB)")
 
 
+# The worker's default --concurrency: agents mostly wait (on an LLM, on HTTP),
+# so a process runs many at once; a plain handler's runs are that many threads.
+WORKER_CONCURRENCY = 100
+
 REMOVED_WORKER_FLAGS = (
     "was removed: a worker now runs up to --concurrency runs in one process (async handlers "
     "on one event loop, plain ones on threads), takes exactly as many users as it has room "
@@ -305,8 +309,12 @@ def build_parser() -> argparse.ArgumentParser:
     agent.add_argument("--handler", default=env_default("handler"),
                        help="module:function called as handle(batch, ctx): an App of that "
                             "handler alone")
-    worker.add_argument("--concurrency", type=int, default=env_default("concurrency", 1),
-                        help="users' runs at once in this process (default 1); the process uses "
+    worker.add_argument("--concurrency", type=int,
+                        default=env_default("concurrency", WORKER_CONCURRENCY),
+                        help=f"users' runs at once in this process (default {WORKER_CONCURRENCY}): "
+                             "an async handler's runs share one event loop, a plain handler's "
+                             "each run on a thread of its own (up to that many threads: lower it "
+                             "for CPU-bound or thread-unsafe plain handlers); the process uses "
                              "4 database connections whatever this is")
     worker.add_argument("--lease-ttl", type=int, default=env_default("lease-ttl", 120),
                         help="seconds a lease lasts without renewal (default 120)")
