@@ -96,3 +96,39 @@ def test_the_worker_runs_many_runs_at_once_by_default(monkeypatch):
     assert int(args.concurrency) == 100
     worker = cli.build_parser()._subparsers._group_actions[0].choices["worker"]
     assert "default 100" in worker.format_help() and "thread" in worker.format_help()
+
+
+# --- Inbox.dispatch takes a channel, as the dispatcher does -----------------------------------
+
+def queue(inbox, user, now, *messages):
+    from agent_inbox import Result
+
+    inbox.ingest(user, "chat", f"{user}-{now}", {})
+    run = inbox.take_work(f"w-{user}", now=now)
+    assert inbox.finish_run(run, Result(messages=list(messages)), now=now)
+
+
+def test_dispatch_takes_the_channel_the_dispatcher_takes(inbox):
+    sent = []
+
+    def send(user, text, key):  # the dispatcher's channel shape
+        sent.append((user, text, key))
+
+    queue(inbox, "alice", 1_000_000, "hello", "again")
+    assert inbox.dispatch("alice", send, now=1_000_000) == 2
+    [(user, text, key)] = sent
+    assert (user, text) == ("alice", "hello\n\nagain") and key.startswith("alice:")
+
+
+def test_dispatch_still_takes_a_one_argument_send(inbox):
+    sent = []
+    queue(inbox, "bob", 1_000_000, "hi")
+    assert inbox.dispatch("bob", lambda text: sent.append(text), now=1_000_000) == 1
+    assert sent == ["hi"]
+
+
+def test_dispatch_refuses_a_send_of_neither_shape(inbox):
+    from agent_inbox import InvalidInput
+
+    with pytest.raises(InvalidInput, match="send"):
+        inbox.dispatch("carol", lambda a, b: None, now=1_000_000)
