@@ -132,3 +132,18 @@ def test_dispatch_refuses_a_send_of_neither_shape(inbox):
 
     with pytest.raises(InvalidInput, match="send"):
         inbox.dispatch("carol", lambda a, b: None, now=1_000_000)
+
+
+# --- the intake's secrets file: the variable compose and the README name ---------------------
+
+@pytest.mark.parametrize("variables, expected", [
+    ({"AGENT_INBOX_SECRETS_FILE": "/etc/hooks.json"}, "/etc/hooks.json"),
+    ({"AGENT_INBOX_SECRETS": "/run/secrets/w"}, "/run/secrets/w"),
+    ({"AGENT_INBOX_SECRETS": "/run/secrets/w", "AGENT_INBOX_SECRETS_FILE": "/x"}, "/run/secrets/w"),
+])
+def test_the_intake_reads_either_secrets_variable(monkeypatch, variables, expected):
+    for name in ("AGENT_INBOX_SECRETS", "AGENT_INBOX_SECRETS_FILE"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in variables.items():
+        monkeypatch.setenv(name, value)
+    assert cli.build_parser().parse_args(["ingest-server"]).secrets == expected
