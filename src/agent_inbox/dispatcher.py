@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from agent_inbox import db, errors, metrics, tracing, validate
 from agent_inbox.delivery import describe
 from agent_inbox.inbox import Inbox
-from agent_inbox.service import Listener, Stop, Waker, serve
+from agent_inbox.service import Listener, Stop, Waker, serve, wake_on_stop
 from agent_inbox.store import notify, outbox
 from agent_inbox.store.outbox import Batch, Failure
 
@@ -230,6 +230,11 @@ class Dispatcher:
         """Until stopped; then the sends in flight end and are recorded. LISTEN
         on `url` (None: poll only, as behind a transaction pooler)."""
         Listener(url, [notify.OUTBOX], self._wake, self.stop).start()
+        wake_on_stop(self.stop, self.waker)
+        log.info("dispatcher started: concurrency %d, outbox gap %d s, send timeout %d s, %s, "
+                 "%s", self.concurrency, self.inbox.outbox_gap, self.inbox.send_policy.timeout,
+                 "at most once" if self.at_most_once else "at least once",
+                 "listening" if url else f"polling every {self.poll_interval:g} s")
         try:
             serve("dispatcher", self._pass, self.waker.wait, self.stop, self.poll_interval)
             self._drain()
