@@ -147,3 +147,13 @@ def test_the_intake_reads_either_secrets_variable(monkeypatch, variables, expect
     for name, value in variables.items():
         monkeypatch.setenv(name, value)
     assert cli.build_parser().parse_args(["ingest-server"]).secrets == expected
+
+
+# --- Event's fields are documented ---------------------------------------------------------
+
+def test_every_event_field_is_documented_in_its_docstring_and_the_readme():
+    readme = (ROOT / "README.md").read_text()
+    for field in dataclasses.fields(records.Event):
+        assert f"- `{field.name}`:" in records.Event.__doc__, field.name
+        assert f"`{field.name}`" in readme.split("| field | what it holds |")[1].split("\n\n")[0], \
+            field.name
