@@ -345,9 +345,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     dispatcher = _service_parser(commands, "dispatcher", "send held outbox messages, paced", 5.0)
     dispatcher.add_argument("--channel", default=env_default("channel"), required=not env_default("channel"),
-                            help="module:function called as send(user, text, key)")
+                            help="module:function called as send(user, text, key), imported "
+                                 "from the current folder as python -m would")
     dispatcher.add_argument("--outbox-gap", type=int, default=env_default("outbox-gap", 3600),
-                            help="seconds between sends to one user (default 3600)")
+                            help="least seconds between two sends to one user (default 3600: a "
+                                 "second reply within the hour waits; an urgent message goes at "
+                                 "once); a lower gap applies to messages already held too")
     dispatcher.add_argument("--concurrency", type=int, default=env_default("concurrency", 16),
                             help="users' batches sent at once, each on a thread with no database "
                                  "connection held (default 16)")
