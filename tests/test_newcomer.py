@@ -157,3 +157,19 @@ def test_every_event_field_is_documented_in_its_docstring_and_the_readme():
         assert f"- `{field.name}`:" in records.Event.__doc__, field.name
         assert f"`{field.name}`" in readme.split("| field | what it holds |")[1].split("\n\n")[0], \
             field.name
+
+
+def test_the_outbox_gap_is_in_the_dispatchers_synopsis_and_help():
+    readme = (ROOT / "README.md").read_text()
+    synopsis = readme[readme.index("agent-inbox dispatcher --database-url URL"):]
+    assert "[--outbox-gap S]" in synopsis.split("```")[0]
+    dispatcher = cli.build_parser()._subparsers._group_actions[0].choices["dispatcher"]
+    assert "default 3600" in " ".join(dispatcher.format_help().split())
+
+
+# --- point 4: CI lists the slowest tests ----------------------------------------------------
+
+def test_ci_runs_the_readmes_test_command_listing_the_slowest_tests():
+    [command] = [line for line in (ROOT / ".ci" / "run").read_text().splitlines()
+                 if line.startswith("./dev test")]
+    assert "--durations=25" in command.split("#")[0]
