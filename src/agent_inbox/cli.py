@@ -30,10 +30,37 @@ def pooler_name(value: str) -> str:
     return value
 
 
+URL_SCHEMES = ("postgresql", "postgres")
+
+
+def database_url(value: str) -> str:
+    """A --database-url (or --listen-url) as libpq reads it, checked before any
+    command connects: a `postgresql://` (or `postgres://`) URL or a `key=value`
+    connection string. Anything else is bad configuration: argparse's message
+    and exit 2, whichever command or service (a worker does not start a
+    runtime for it). The value is not echoed: it may hold a password."""
+    from psycopg import conninfo
+
+    if not value:
+        return value  # none: the command says whether it needs one
+    scheme, sep, _ = value.partition("://")
+    if sep and scheme.lower() not in URL_SCHEMES:
+        raise argparse.ArgumentTypeError(
+            f"not a PostgreSQL URL: its scheme is {scheme[:20]!r}, not postgresql:// or "
+            "postgres:// (or give a libpq string such as 'host=db dbname=app user=app')")
+    try:
+        conninfo.conninfo_to_dict(value)
+    except Exception as exc:
+        problem = str(exc).strip().replace(value, "...") or type(exc).__name__
+        raise argparse.ArgumentTypeError(
+            f"not a PostgreSQL URL or libpq connection string ({problem})") from None
+    return value
+
+
 def add_database_url(parser: argparse.ArgumentParser, *, required: bool) -> None:
     """--database-url, and --pooler: what sits between it and PostgreSQL."""
     parser.add_argument(
-        "--database-url", default=env_default("database-url"),
+        "--database-url", default=env_default("database-url"), type=database_url,
         help="PostgreSQL URL or libpq connection string (env AGENT_INBOX_DATABASE_URL)"
              + ("" if required else "; without one, a throwaway local cluster is used"))
     parser.add_argument(
@@ -191,6 +218,10 @@ def require_memory_room(worker) -> None:
                                   f"must be above the runtime's memory at start ({rss:.0f} MiB)")
 
 
+# The worker's default --concurrency: agents mostly wait (on an LLM, on HTTP),
+# so a process runs many at once; a plain handler's runs are that many threads.
+WORKER_CONCURRENCY = 100
+
 REMOVED_WORKER_FLAGS = (
     "was removed: a worker now runs up to --concurrency runs in one process (async handlers "
     "on one event loop, plain ones on threads), takes exactly as many users as it has room "
@@ -244,7 +275,7 @@ def _service_parser(commands, name: str, help_text: str, poll_default: float):
     add_service_options(parser)
     parser.add_argument("--poll-interval", type=float, default=env_default("poll-interval", poll_default),
                         help=f"seconds between polls when no notification comes (default {poll_default})")
-    parser.add_argument("--listen-url", default=env_default("listen-url"),
+    parser.add_argument("--listen-url", default=env_default("listen-url"), type=database_url,
                         help="a direct PostgreSQL URL (not a transaction pooler's) to LISTEN on "
                              "for wake-ups; default: --database-url, or none with --pooler "
                              "transaction, and the service polls (env AGENT_INBOX_LISTEN_URL)")
@@ -278,8 +309,12 @@ def build_parser() -> argparse.ArgumentParser:
     agent.add_argument("--handler", default=env_default("handler"),
                        help="module:function called as handle(batch, ctx): an App of that "
                             "handler alone")
-    worker.add_argument("--concurrency", type=int, default=env_default("concurrency", 1),
-                        help="users' runs at once in this process (default 1); the process uses "
+    worker.add_argument("--concurrency", type=int,
+                        default=env_default("concurrency", WORKER_CONCURRENCY),
+                        help=f"users' runs at once in this process (default {WORKER_CONCURRENCY}): "
+                             "an async handler's runs share one event loop, a plain handler's "
+                             "each run on a thread of its own (up to that many threads: lower it "
+                             "for CPU-bound or thread-unsafe plain handlers); the process uses "
                              "4 database connections whatever this is")
     worker.add_argument("--lease-ttl", type=int, default=env_default("lease-ttl", 120),
                         help="seconds a lease lasts without renewal (default 120)")
@@ -310,9 +345,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     dispatcher = _service_parser(commands, "dispatcher", "send held outbox messages, paced", 5.0)
     dispatcher.add_argument("--channel", default=env_default("channel"), required=not env_default("channel"),
-                            help="module:function called as send(user, text, key)")
+                            help="module:function called as send(user, text, key), imported "
+                                 "from the current folder as python -m would")
     dispatcher.add_argument("--outbox-gap", type=int, default=env_default("outbox-gap", 3600),
-                            help="seconds between sends to one user (default 3600)")
+                            help="least seconds between two sends to one user (default 3600: a "
+                                 "second reply within the hour waits; an urgent message goes at "
+                                 "once); a lower gap applies to messages already held too")
     dispatcher.add_argument("--concurrency", type=int, default=env_default("concurrency", 16),
                             help="users' batches sent at once, each on a thread with no database "
                                  "connection held (default 16)")

@@ -2,10 +2,11 @@
 the dispatcher's claims and outcomes for many users, the list of a user's
 messages (store/outbox.py holds the rules)."""
 
+import inspect
 from collections.abc import Callable
 from typing import Any
 
-from agent_inbox import db, errors, tracing, validate
+from agent_inbox import citus, db, errors, tracing, validate
 from agent_inbox.records import OutboxMessage
 from agent_inbox.store import bucketed, outbox
 from agent_inbox.store.outbox import Batch, Failure
@@ -26,19 +27,43 @@ def describe(exc: BaseException) -> str:
     return text.encode("utf-8", "replace").decode("utf-8").replace("\x00", "\ufffd")
 
 
+def channel_of(send: Callable[..., Any]) -> Callable[[str, str, str], Any]:
+    """`send` as a channel, `send(user, text, key)`: whatever can be called
+    with three positional arguments is one (or has no signature to read); one
+    that takes a single argument is `send(text)`, the older shape of
+    `Inbox.dispatch`, and is called with the text alone."""
+    if not callable(send):
+        raise errors.InvalidInput("send", send, "must be callable")
+    try:
+        signature = inspect.signature(send)
+    except (TypeError, ValueError):
+        return send
+    for shape in (("user", "text", "key"), ("text",)):
+        try:
+            signature.bind(*shape)
+        except TypeError:
+            continue
+        return send if len(shape) == 3 else (lambda user, text, key: send(text))
+    raise errors.InvalidInput("send", send, "must be callable as send(user, text, key), as a "
+                              "channel is (or send(text))")
+
+
 class Delivery:
     """Mixed into `agent_inbox.Inbox` (which owns `_pool`, `outbox_gap`, `send_policy`,
     `citus`, `_by_bucket`, `_nodes`). On Citus a dispatcher's claims and outcomes are one
     transaction per bucket (store/bucketed.py), each on one node."""
-    def dispatch(self, user: str, send: Callable[[str], Any], *, now: int | None = None) -> int:
+    def dispatch(self, user: str, send: Callable[..., Any], *, now: int | None = None) -> int:
         """Send the user's held messages as one text, at most once per outbox_gap
-        (an urgent message goes at once); the number of messages sent. `send(text)`
-        is called at most once, with no database lock or connection held; if it
-        raises, nothing is marked sent, the failure is recorded (the batch goes
-        again, same rows, on the next dispatch), and the exception propagates."""
-        if not callable(send):
-            raise errors.InvalidInput("send", send, "must be callable")
-        return self.dispatch_batch(user, lambda text, key: send(text), now=now)
+        (an urgent message goes at once); the number of messages sent. `send` is
+        a channel, as the dispatcher service takes: `send(user, text, key)`
+        (see `dispatch_batch` for `key`); a one-argument `send(text)`, this
+        call's older shape, is still called with the text alone (see
+        `channel_of`). It is called at most once, with no database lock or
+        connection held; if it raises, nothing is marked sent, the failure is
+        recorded (the batch goes again, same rows and key, on the next
+        dispatch), and the exception propagates."""
+        channel = channel_of(send)
+        return self.dispatch_batch(user, lambda text, key: channel(user, text, key), now=now)
 
     def dispatch_batch(self, user: str, deliver: Callable[[str, str], Any], *,
                        at_most_once: bool = False, now: int | None = None) -> int:
@@ -124,6 +149,18 @@ class Delivery:
                                                  backoff_base=policy.backoff_base,
                                                  backoff_cap=policy.backoff_cap, now=now)
         return recorded
+
+    def repace(self, *, now: int | None = None) -> int:
+        """Apply this inbox's `outbox_gap` to users paced by a longer one (the
+        dispatcher does this at start and once a minute): their held messages
+        are due at their last send + this gap. The number of users changed."""
+        with db.connection(self._pool) as conn:
+            users = outbox.stale_pace_users(conn, self.outbox_gap, now)
+            changed = 0
+            for group in citus.groups(conn, users, lambda user: user):
+                with conn.transaction():
+                    changed += outbox.repace(conn, group, self.outbox_gap, now)
+        return changed
 
     def seconds_to_next_delivery(self, *, now: int | None = None) -> int | None:
         """Seconds until a user's delivery is next due (None: nothing held)."""

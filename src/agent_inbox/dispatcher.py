@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from agent_inbox import db, errors, metrics, tracing, validate
 from agent_inbox.delivery import describe
 from agent_inbox.inbox import Inbox
-from agent_inbox.service import Listener, Stop, Waker, serve
+from agent_inbox.service import Listener, Stop, Waker, serve, wake_on_stop
 from agent_inbox.store import notify, outbox
 from agent_inbox.store.outbox import Batch, Failure
 
@@ -72,12 +72,17 @@ class Dispatcher:
         self._unrecorded: list[Sent] = []
         self._in_flight = 0
         self._adopted_at = float("-inf")
+        self._repaced_at = float("-inf")
 
     def run_once(self, *, now: int | None = None) -> float | None:
         """Send every batch that is due, `concurrency` at a time, recording each
         outcome, until none is left to claim and every send has ended; then the
-        seconds until a user is next due (None: nothing held)."""
+        seconds until a user is next due (None: nothing held). The first pass,
+        and one a minute after, applies this dispatcher's gap to users paced by
+        a longer one (`Inbox.repace`): lowering --outbox-gap releases messages
+        already held."""
         self._record(now)
+        self.repace(now=now)
         while True:
             free = self.concurrency - self._in_flight
             if free and not self.stop.is_set() and (
@@ -194,6 +199,17 @@ class Dispatcher:
                 log.warning("send failed user=%s key=%s: %s; retried after a backoff",
                             f.batch.user, f.batch.key, f.error)
 
+    def repace(self, *, now: int | None = None) -> None:
+        """At most every ADOPT_EVERY seconds (the first pass at once): users paced
+        by a longer gap than this dispatcher's are due by its gap."""
+        if time.monotonic() - self._repaced_at < ADOPT_EVERY:
+            return
+        repaced = self.inbox.repace(now=now)
+        self._repaced_at = time.monotonic()
+        if repaced:
+            log.info("%d users paced by a longer gap than %d s: due by this one", repaced,
+                     self.inbox.outbox_gap)
+
     def adopt_held(self, *, now: int | None = None) -> None:
         """At most every ADOPT_EVERY seconds: make users due whose held messages
         no dispatcher is due to look at (queued by a worker older than this schema;
@@ -214,6 +230,11 @@ class Dispatcher:
         """Until stopped; then the sends in flight end and are recorded. LISTEN
         on `url` (None: poll only, as behind a transaction pooler)."""
         Listener(url, [notify.OUTBOX], self._wake, self.stop).start()
+        wake_on_stop(self.stop, self.waker)
+        log.info("dispatcher started: concurrency %d, outbox gap %d s, send timeout %d s, %s, "
+                 "%s", self.concurrency, self.inbox.outbox_gap, self.inbox.send_policy.timeout,
+                 "at most once" if self.at_most_once else "at least once",
+                 "listening" if url else f"polling every {self.poll_interval:g} s")
         try:
             serve("dispatcher", self._pass, self.waker.wait, self.stop, self.poll_interval)
             self._drain()

@@ -22,6 +22,7 @@ import inspect
 import logging
 import multiprocessing
 import os
+import sys
 import threading
 import time
 import traceback
@@ -181,10 +182,15 @@ NO_LIMITER = ("ctx.limit needs a limiter: the worker sets one on every run's con
 
 def load(reference: str, *, what: str = "handler") -> Callable:
     """`module:function` to the callable it names (a handler, or `what` else),
-    or to an App."""
+    or to an App. The one loader of every `module:attr` option (--handler,
+    --app, --channel): the module is imported as `python -m` would from the
+    current working directory, which is put first on sys.path if it is not
+    there yet (the `agent-inbox` script's path holds its own folder, not
+    yours), whichever service loads it."""
     module_name, _, attribute = reference.partition(":")
     if not module_name or not attribute:
         raise errors.InvalidInput(what, reference, "must look like module:function")
+    _current_folder_on_path()
     try:
         target = importlib.import_module(module_name)
         for part in attribute.split("."):
@@ -194,6 +200,15 @@ def load(reference: str, *, what: str = "handler") -> Callable:
     if not callable(target) and not isinstance(target, App):
         raise errors.InvalidInput(what, reference, "is not callable")
     return target
+
+
+def _current_folder_on_path() -> None:
+    try:
+        here = os.getcwd()
+    except OSError:  # the folder was removed: nothing to add
+        return
+    if "" not in sys.path and here not in sys.path:
+        sys.path.insert(0, here)
 
 
 def is_async(handler: Callable) -> bool:

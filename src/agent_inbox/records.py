@@ -9,7 +9,33 @@ EVENT_STATUSES = ("pending", "running", "done", "dead")
 
 @dataclass(frozen=True, slots=True)
 class Event:
-    """One inbox event. `payload` is the decoded JSON; times are epoch seconds."""
+    """One inbox event, as a handler gets it in its batch (times are epoch
+    seconds, by the database server's clock):
+
+    - `id`: its row id, unique and increasing: a batch is ordered by it.
+    - `user`: whose inbox it is in (the run's `ctx.user`).
+    - `source`: where it came from: what `ingest` was given (`github`,
+      `stripe`, a webhook route's `{source}`, ...), `timer` for a timer's
+      firing, `approval` for an approval's answer or expiry.
+    - `source_id`: its id at that source (a webhook's delivery id, a
+      timer's `<timer_id>@<scheduled_at>` or a one-off's key, an
+      approval's request id):
+      `(user, source, source_id)` is stored once, a redelivery is dropped.
+    - `payload`: the decoded JSON it carried (a webhook's body; a timer's
+      payload with `scheduled_for`, `late_by` and `skipped`; an approval's
+      `{"approval": request_id, "answer": ...}`).
+    - `status`: `pending`, `running` (claimed by a run), `done` or `dead`.
+    - `attempts`: the claims of it so far, this run's included (1 on its
+      first run); past `max_attempts` it is `dead`.
+    - `error`: the error of its last failed run (None if none failed).
+    - `claim_gen`: the lease generation of the run that claimed it last.
+    - `created_at`: when it was stored.
+    - `available_at`: when it may run (after a failed run, its retry backoff).
+    - `claimed_at`: when a run claimed it last (None: never claimed).
+    - `kind`: what the provider calls it (GitHub's `X-GitHub-Event`, Stripe's
+      `type`, ...; `ingest(kind=...)`), or None.
+    - `traceparent`: the W3C trace context it arrived with (tracing.py), or None.
+    """
 
     id: int
     user: str
@@ -23,8 +49,8 @@ class Event:
     created_at: int
     available_at: int
     claimed_at: int | None
-    kind: str | None = None  # what the provider calls it, e.g. GitHub's "push"
-    traceparent: str | None = None  # the W3C trace context it arrived with (tracing.py)
+    kind: str | None = None
+    traceparent: str | None = None
 
     def __reduce__(self):
         # Pickled as its fields in order (half the cost of the default): every

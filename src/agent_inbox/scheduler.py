@@ -11,7 +11,7 @@ import logging
 
 from agent_inbox import db
 from agent_inbox.inbox import Inbox
-from agent_inbox.service import Listener, Stop, Waker, jittered, serve
+from agent_inbox.service import Listener, Stop, Waker, jittered, serve, wake_on_stop
 from agent_inbox.store import notify, timers
 
 log = logging.getLogger("agent_inbox.scheduler")
@@ -44,4 +44,7 @@ class Scheduler:
 
     def serve(self, url: str | None) -> None:
         Listener(url, [notify.TIMERS], self.waker.wake_one, self.stop).start()
+        wake_on_stop(self.stop, self.waker)
+        log.info("scheduler started: %s", "listening" if url
+                 else f"polling every {self.poll_interval:g} s")
         serve("scheduler", self.run_once, self.waker.wait, self.stop, self.poll_interval)

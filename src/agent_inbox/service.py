@@ -116,6 +116,18 @@ class Waker:
                 self._pending -= 1
 
 
+def wake_on_stop(stop: Stop, waker: Waker) -> None:
+    """Wake `waker`'s waiters once `stop` is set: a service asleep between
+    passes (up to --poll-interval) stops at once on SIGTERM, not at its next
+    poll. (A signal handler runs in the main thread between its waits, so it
+    cannot end a Condition wait there itself.)"""
+    def watch():
+        stop.event.wait()
+        waker.wake_all()
+
+    threading.Thread(target=watch, name="agent-inbox-stop-watch", daemon=True).start()
+
+
 def check_answers(url: str, option: str) -> None:
     """Raise InvalidInput naming `option` unless a connection to `url` can be
     made within ANSWER_TIMEOUT seconds (the URL is shown without its password)."""

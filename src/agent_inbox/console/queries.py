@@ -5,7 +5,8 @@ SHARE), so a page never waits on, nor holds, a lease row lock or any other row
 lock a worker takes; each reads a bounded number of rows through an index
 (open events through ix_events_open, held messages through ix_outbox_held,
 dead events through ix_events_dead, a user's rows through the primary keys),
-except `workers seen`, which reads the leases table (one row per user).
+except `workers running a run` (distinct holders of live leases: an idle
+worker holds none), which reads the leases table (one row per user).
 
 Where the CLI's views already answer (store/admin.py, store/outbox.py), the
 console calls them; what is here are the views the CLI has no twin for.

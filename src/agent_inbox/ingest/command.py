@@ -41,9 +41,11 @@ def add_parser(commands) -> argparse.ArgumentParser:
                         help=f"port to listen on, 0 for any free one (default {DEFAULT_PORT})")
     # Not required by argparse: AGENT_INBOX_SECRETS="" (compose without a secrets
     # file) must get cmd_ingest_server's message, which says what to do.
-    parser.add_argument("--secrets", default=env_default("secrets"),
+    # AGENT_INBOX_SECRETS_FILE too: the name compose and the README give the
+    # file's path (compose maps it to AGENT_INBOX_SECRETS inside the container).
+    parser.add_argument("--secrets", default=env_default("secrets") or env_default("secrets-file"),
                         help="JSON or TOML file of {user: {source: secret}}, re-read on SIGHUP "
-                             "(env AGENT_INBOX_SECRETS)")
+                             "(env AGENT_INBOX_SECRETS, else AGENT_INBOX_SECRETS_FILE)")
     parser.add_argument("--max-body", type=int, default=env_default("max-body", DEFAULT_MAX_BODY),
                         help=f"largest request body in bytes (default {DEFAULT_MAX_BODY})")
     parser.add_argument("--stripe-tolerance", type=int,
@@ -110,7 +112,7 @@ def cmd_ingest_server(args: argparse.Namespace) -> int:
         raise errors.InvalidInput(
             "--secrets", args.secrets,
             "is required: a JSON or TOML file of {user: {source: secret}} (or "
-            "AGENT_INBOX_SECRETS; with docker compose, set AGENT_INBOX_SECRETS_FILE to its path "
+            "AGENT_INBOX_SECRETS or AGENT_INBOX_SECRETS_FILE; with docker compose, set AGENT_INBOX_SECRETS_FILE to its path "
             "on the host; deploy/webhook-secrets.example.json shows the form)")
     secrets = SecretStore.from_file(args.secrets)  # before connecting: a bad file fails fast
 

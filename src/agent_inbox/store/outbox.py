@@ -296,6 +296,45 @@ def adopt_held(conn, now: int | None) -> int:
     return conn.execute(ADOPT_HELD, {"now": now}).rowcount
 
 
+# A dispatcher's gap applied to users already paced (a dispatcher, at start and
+# once a minute): a user paced by a longer gap (`due_at` = last send + that gap,
+# written by CLAIM or MARK_SENT of a dispatcher with an older setting) is due
+# at last send + this gap instead, so lowering --outbox-gap releases messages
+# already held. Only ever makes a due time earlier, never before the last send
+# + this gap; CLAIM still decides whether a send may go. Reads the future part
+# of the due index; STALE_PACE_USERS (a read, no lock) finds them, at most
+# %(limit)s a time, and REPACE locks them in user order, skipping rows another
+# transaction holds (a claim or a finish: it decides their due time itself).
+_STALE_PACE = """due_at > %(now)s AND batch IS NULL AND last_sent_at IS NOT NULL
+   AND due_at > last_sent_at + %(gap)s"""
+STALE_PACE_USERS = f"""
+SELECT user_id FROM deliveries WHERE {_STALE_PACE} ORDER BY user_id LIMIT %(limit)s
+"""
+REPACE = f"""
+WITH stale AS (
+    SELECT user_id FROM deliveries
+     WHERE user_id = ANY(%(users)s::text[]) AND {_STALE_PACE}
+     ORDER BY user_id
+       FOR UPDATE SKIP LOCKED
+)
+UPDATE deliveries d SET due_at = d.last_sent_at + %(gap)s
+  FROM stale WHERE d.user_id = stale.user_id
+"""
+REPACE_LIMIT = 10_000
+
+
+def stale_pace_users(conn, gap: int, now: int | None) -> list[str]:
+    now = now if now is not None else conn.execute(f"SELECT {NOW}", {"now": None}).fetchone()[0]
+    params = {"gap": gap, "now": now, "limit": REPACE_LIMIT}
+    return [u for u, in conn.execute(STALE_PACE_USERS, params).fetchall()]
+
+
+def repace(conn, users: list[str], gap: int, now: int | None) -> int:
+    """Users among `users` paced by a longer gap made due at last send + `gap`."""
+    now = now if now is not None else conn.execute(f"SELECT {NOW}", {"now": None}).fetchone()[0]
+    return conn.execute(REPACE, {"users": users, "gap": gap, "now": now}).rowcount
+
+
 # Operator repairs of parked batches, by batch id (its first row's id, unique
 # across users). Their users are found (a read, no lock), then, per bucket on
 # Citus, the users' delivery rows are locked in user order (as every
