@@ -6,6 +6,10 @@ throwaway cluster from the local PostgreSQL binaries; each test a fresh
 database copied from a migrated template, dropped after; `inbox` and
 `make_inbox` on it. Here under the names the suite uses (`server_url`,
 `database_url`).
+
+`citus_cluster` (session) is the one Citus cluster of the session (a
+coordinator and two worker nodes), shared by tests/citus and the contract
+suite's citus backend (tests/contract), started by the first test that asks.
 """
 
 import pytest
@@ -18,6 +22,15 @@ def pytest_configure(config):
     """Skip reasons always in the summary (-rs on top of pyproject's -ra, or of
     any -r given), so that a partial run never reads as a full one."""
     config.option.reportchars = (config.option.reportchars or "") + "s"
+
+
+@pytest.fixture(scope="session")
+def citus_cluster():
+    """Skipped, saying why, where the Citus extension is not installed."""
+    from tests.citus.support import started_cluster
+
+    with started_cluster() as cluster:
+        yield cluster
 
 
 @pytest.fixture(scope="session")

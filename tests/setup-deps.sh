@@ -3,12 +3,14 @@
 # can be: called by `./dev test` before pytest, and by .ci/run (with
 # --require-all), so the two cannot drift.
 #
-#   tests/behind_pgbouncer   the `pgbouncer` binary on PATH (Debian package pgbouncer)
+#   tests/behind_pgbouncer   the `pgbouncer` binary on PATH (Debian package pgbouncer);
+#                            so does tests/contract's pgbouncer backend
 #   tests/console (browser)  Chromium at $AGENT_INBOX_TEST_CHROMIUM, default
 #                            /usr/bin/chromium (Debian package chromium)
 #   tests/citus              the Citus extension for the local PostgreSQL: citus.so
 #                            and citus.control, installed from
-#                            ../shared/citus/citus-pg<major>-*.tar.gz by its install.sh
+#                            ../shared/citus/citus-pg<major>-*.tar.gz by its install.sh;
+#                            so does tests/contract's citus backend
 #
 # The checks are the tests' own (tests/pgbouncer.py available(),
 # tests/console/conftest.py CHROMIUM, pgserver.citus_installed()). What is
@@ -124,10 +126,10 @@ apt_hint() {  # the way to the Debian package $1
   else hint "see apt-get's failure above"
   fi
 }
-have_pgbouncer || { skipped+=("tests/behind_pgbouncer (no pgbouncer on PATH)"); apt_hint pgbouncer; }
+have_pgbouncer || { skipped+=("tests/behind_pgbouncer and tests/contract[pgbouncer] (no pgbouncer on PATH)"); apt_hint pgbouncer; }
 have_chromium || { skipped+=("tests/console browser tests (no Chromium at $chromium)"); apt_hint chromium; }
 if ! have_citus; then
-  skipped+=("tests/citus (no Citus extension for PostgreSQL ${pg_major:-?})")
+  skipped+=("tests/citus and tests/contract[citus] (no Citus extension for PostgreSQL ${pg_major:-?})")
   if [ -z "$bindir" ]; then hint "install the PostgreSQL server binaries"
   elif ! citus_tarball >/dev/null; then
     hint "put shared/ (with citus/citus-pg$pg_major-*.tar.gz) at $shared"

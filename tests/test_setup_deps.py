@@ -128,7 +128,8 @@ def test_not_root_installs_nothing_and_names_every_skipped_suite(machine):
     assert done.returncode == 0, done.stderr
     assert machine.calls() == []
     line = _skip_line(done)
-    for suite in ("tests/behind_pgbouncer", "tests/console", "tests/citus"):
+    for suite in ("tests/behind_pgbouncer", "tests/console", "tests/citus",
+                  "tests/contract[pgbouncer]", "tests/contract[citus]"):
         assert suite in line
     assert line.endswith("to run them: sudo tests/setup-deps.sh")
     # CI's mode: what is missing fails the run

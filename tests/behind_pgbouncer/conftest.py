@@ -7,6 +7,8 @@ through it. `inbox` and `make_inbox` override tests/conftest.py's: the code
 under test goes through PgBouncer with pooler="transaction", while the tests'
 own probes (lock holders, pg_stat_activity, result queries) use `database_url`,
 the direct connection, so they take none of the pool's few server connections.
+Tests that hold on every backend belong in tests/contract (its "pgbouncer"
+backend), not here.
 """
 
 import contextlib

@@ -1,7 +1,6 @@
-"""Durable steps through PgBouncer in transaction mode: tests/test_steps.py's
-functions with every Inbox behind it (no statement prepared on a server
-connection), and a worker process behind it whose runtime is SIGKILLed after
-step 3 resuming at step 4."""
+"""Durable steps through PgBouncer in transaction mode: a worker process behind
+it whose runtime is SIGKILLed after step 3 resuming at step 4. (The Inbox API's
+step tests run behind it too, from tests/contract/test_steps.py.)"""
 
 import os
 import subprocess
@@ -9,15 +8,6 @@ import sys
 
 from tests.runtime.step_handlers import STEPS
 from tests.runtime.support import ROOT, scalar, stop_all, wait_until
-from tests.test_steps import (  # noqa: F401 -- collected here, under this folder's fixtures
-    test_a_retry_of_the_same_events_replays_its_recorded_steps,
-    test_a_retry_that_claims_other_events_starts_without_steps,
-    test_a_stale_generations_step_is_refused_and_stores_nothing,
-    test_a_step_racing_a_takeover_waits_for_it_and_is_refused,
-    test_an_error_keeps_the_steps_and_the_retry_resumes,
-    test_async_steps_replay_in_call_order,
-    test_steps_asked_in_another_order_get_a_clear_error,
-)
 
 
 def test_a_killed_runtime_behind_pgbouncer_resumes_at_step_4(bounced_url, database_url, inbox,

@@ -1,12 +1,13 @@
-"""The tests of this folder run against a real Citus cluster of their own: a
+"""The tests of this folder run against a real Citus cluster: a
 coordinator and two worker nodes, each a throwaway cluster from the local
-binaries (pgserver.CitusCluster), started once per session.
+binaries (pgserver.CitusCluster): tests/conftest.py's `citus_cluster`, started
+once per session and shared with the contract suite's citus backend.
 
 Skipped, saying why, only where the Citus extension is not installed
 (tests/setup-deps.sh installs it from ../shared/citus/). Each test gets a fresh database on every
 node, migrated with `migrate --citus`'s steps (the ordinary migrations, then
-citus.distribute). `inbox` and `make_inbox` override tests/conftest.py's, so
-tests/test_concurrency.py's functions run here unchanged.
+citus.distribute). `inbox` and `make_inbox` override tests/conftest.py's.
+Tests that hold on every backend belong in tests/contract, not here.
 """
 
 import contextlib
@@ -14,13 +15,7 @@ import contextlib
 import pytest
 
 from agent_inbox import Inbox
-from tests.citus.support import distributed_database, started_cluster
-
-
-@pytest.fixture(scope="session")
-def citus_cluster():
-    with started_cluster() as cluster:
-        yield cluster
+from tests.citus.support import distributed_database
 
 
 @pytest.fixture

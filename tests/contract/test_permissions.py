@@ -2,7 +2,7 @@
 recorded with the rule that answered; 'ask' turns the call into an approval
 request whose answer comes back as an event; a stale run is refused.
 
-Collected again under tests/behind_pgbouncer and tests/citus (their fixtures).
+A contract test module: each test runs on every backend (tests/contract/conftest.py).
 """
 
 import json

@@ -5,7 +5,7 @@ allows, measured by the database's clock; callers are served in arrival order;
 a change by `agent-inbox limits set` reaches a running limiter; bad input gets
 a clear error and changes nothing.
 
-Collected again under tests/behind_pgbouncer and tests/citus (their fixtures).
+A contract test module: each test runs on every backend (tests/contract/conftest.py).
 Waits are on the limiter's observable state (its statements, its callers),
 bounded.
 """

@@ -6,6 +6,13 @@ on its own Inbox whose connections are named `racer-...`), the test waits until
 PostgreSQL reports every racer waiting on a lock, and only then lets go, so they
 all proceed at once. Where a race needs no lock (dispatch's try-lock, scheduler
 batches) threads are lined up on a threading primitive instead. No sleeps.
+
+A contract test module: each race runs on every backend (tests/contract/conftest.py).
+Behind PgBouncer every racer's Inbox goes through it (each guarantee holds when
+consecutive transactions of one client run on different server connections);
+the lock holder and the probe stay direct (`database_url`). On Citus the lock
+holder is routed to the user's node, and the probe reads citus_stat_activity,
+where the racers' waits on the worker nodes show.
 """
 
 import threading
@@ -18,6 +25,12 @@ import agent_inbox.inbox
 from agent_inbox import citus
 from agent_inbox.store import lease as lease_store
 from tests.races import Racers, wait_for_lock_waiters
+
+# Behind PgBouncer a racer waiting on a lock holds a server connection (its
+# transaction is open), and races.wait_for_lock_waiters needs every racer
+# waiting at once: the widest race (16 first acquires) needs 16. The lock holder
+# and the probe are direct connections and take none.
+pytestmark = pytest.mark.pgbouncer_pool_size(16)
 
 T = 1_700_000_000
 RACERS = "racer-%"
@@ -324,6 +337,10 @@ def test_two_answers_racing_are_told_the_same_answer(database_url, make_inbox, i
         assert_one_standing_answer(database_url, inbox, "alice", request_id, told)
 
 
+@pytest.mark.skip_backend("citus", reason=(
+    "the test inserts and locks leases rows by hand, without the bucket Citus distributes "
+    "them by (Citus refuses an INSERT without its distribution column); db.in_transaction's "
+    "retry is the same code on every backend"))
 def test_a_deadlock_is_retried_by_in_transaction(database_url, make_inbox):
     """Two transactions locking two rows in opposite orders: PostgreSQL breaks the
     deadlock by rolling one back; db.in_transaction runs it again and both finish."""

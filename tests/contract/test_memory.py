@@ -1,7 +1,7 @@
 """A user's memory: read with the run's claim, replaced only by the run's fenced
 finish (never by a stale run) or by an operator while no run holds the lease.
 
-Collected again under tests/behind_pgbouncer and tests/citus (their fixtures).
+A contract test module: each test runs on every backend (tests/contract/conftest.py).
 """
 
 import json

@@ -2,7 +2,7 @@
 run's fence, replayed to a later attempt at exactly the same events, refused
 for a stale generation, gone with the run's successful finish.
 
-Collected again under tests/behind_pgbouncer and tests/citus (their fixtures).
+A contract test module: each test runs on every backend (tests/contract/conftest.py).
 """
 
 import asyncio
@@ -12,7 +12,7 @@ import pytest
 
 from agent_inbox import Result, db, errors
 from agent_inbox.store import admin
-from tests.test_concurrency import race_behind
+from tests.contract.test_concurrency import race_behind
 
 
 class Calls:
@@ -225,6 +225,9 @@ def test_a_requeued_dead_event_starts_with_no_steps(make_inbox, database_url):
     assert inbox.context(run).step_sync("tool", lambda: "again") == "again"
 
 
+@pytest.mark.skip_backend("citus", reason=(
+    "the test inserts a steps row by hand, without the bucket Citus distributes it by: Citus "
+    "refuses it before the CHECK is reached (the same migration's CHECKs on every backend)"))
 def test_the_steps_table_refuses_what_the_code_never_writes(database_url):
     with psycopg.connect(database_url, autocommit=True) as conn:
         with pytest.raises(psycopg.errors.CheckViolation):
