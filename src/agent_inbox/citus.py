@@ -260,10 +260,12 @@ def distribute(url: str, *, shard_count: int = 32) -> bool:
     own."""
     with _connect(url) as conn:
         _require_coordinator(conn)
+        present = [t for t in USER_TABLES + REFERENCE_TABLES if _exists(conn, t)]
+        user_tables = [t for t in USER_TABLES if t in present]
         if is_distributed(conn):
-            added = [table for table in USER_TABLES if not _is_distributed_table(conn, table)]
+            added = [table for table in user_tables if not _is_distributed_table(conn, table)]
             shared = [table for table in REFERENCE_TABLES
-                      if not _is_distributed_table(conn, table)]
+                      if table in present and not _is_distributed_table(conn, table)]
             if not added and not shared:
                 return False
             with conn.transaction():
@@ -276,17 +278,18 @@ def distribute(url: str, *, shard_count: int = 32) -> bool:
         with conn.transaction():
             conn.execute(BUCKET_FUNCTION)
             conn.execute("DROP TRIGGER IF EXISTS events_inserted ON events")
-            _add_buckets(conn, USER_TABLES)
+            _add_buckets(conn, user_tables)
             for statement in BUCKET_INDEXES:
                 conn.execute(statement)
         conn.execute("SELECT create_distributed_table('leases', 'bucket', shard_count => %s)",
                      (shard_count,))
-        for table in USER_TABLES[1:]:
+        for table in user_tables[1:]:
             _colocate(conn, table)
         conn.execute("SELECT create_distributed_table('run_stats', 'process', "
                      "shard_count => %s)", (shard_count,))
         for table in REFERENCE_TABLES:
-            conn.execute("SELECT create_reference_table(%s)", (table,))
+            if table in present:
+                conn.execute("SELECT create_reference_table(%s)", (table,))
     return True
 
 
@@ -305,6 +308,12 @@ def _add_buckets(conn: psycopg.Connection, tables) -> None:
 def _colocate(conn: psycopg.Connection, table: str) -> None:
     conn.execute("SELECT create_distributed_table(%s, 'bucket', colocate_with => 'leases')",
                  (table,))
+
+
+def _exists(conn: psycopg.Connection, table: str) -> bool:
+    """Whether the migrations so far made `table` (a database laid out at an
+    older revision lacks the later tables: they are laid out when they come)."""
+    return conn.execute("SELECT to_regclass(%s) IS NOT NULL", (table,)).fetchone()[0]
 
 
 def _is_distributed_table(conn: psycopg.Connection, table: str) -> bool:
