@@ -87,3 +87,12 @@ async def agent_steps(batch, ctx):
                            "ids": [e.id for e in batch], "t0": [None] * len(batch),
                            "s": start, "e": time.time(), "sc": costs, "calls": calls})
     return Result()
+
+
+def soak(batch, ctx):
+    """bench.soak's handler: a quick no-op that records, per run, its start and
+    each event's lag (start minus the ingest time its payload carries: {"t": ...})."""
+    start = time.time()
+    records.write("soak", {"s": start, "u": ctx.user, "ids": [e.id for e in batch],
+                           "l": [start - e.payload["t"] for e in batch]})
+    return Result()

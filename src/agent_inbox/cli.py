@@ -196,7 +196,7 @@ def run_worker_runtime(args: argparse.Namespace, holder: str) -> int:
         worker = Worker(inbox, args.app or args.handler, concurrency=args.concurrency,
                         poll_interval=args.poll_interval, grace=args.grace,
                         run_timeout=args.run_timeout, quarantine=args.quarantine, holder=holder,
-                        stop=stop, max_memory=args.max_memory,
+                        stop=stop, max_memory=args.max_memory, horizon_warn=args.horizon_warn,
                         slot=blame.Slot(int(slot)) if slot else None)
         if predecessor is None:
             require_memory_room(worker)
@@ -336,6 +336,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="recycle the runtime when its resident memory passes this many MiB: "
                              "it stops taking work, its runs end within --grace, and a fresh one "
                              "starts (default: off)")
+    worker.add_argument("--horizon-warn", type=float, default=env_default("horizon-warn", 60.0),
+                        help="warn when a transaction held open elsewhere has held VACUUM back "
+                             "this many seconds (checked every 30 s; 0: no check; README: A "
+                             "transaction held open elsewhere)")
     worker.add_argument("--isolation", default=None, help=argparse.SUPPRESS)
     worker.add_argument("--max-users-per-take", default=None, help=argparse.SUPPRESS)
     worker.set_defaults(run=cmd_worker)

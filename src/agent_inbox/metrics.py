@@ -56,6 +56,14 @@ INTAKE_REFUSED = Counter("agent_inbox_intake_refused_total",
 INTAKE_CLOSED = Counter("agent_inbox_intake_connections_closed_total",
                         "Intake connections closed by a limit", ["reason"])
 
+HORIZON_AGE_SECONDS = Gauge("agent_inbox_horizon_age_seconds",
+                            "How long the oldest transaction, slot or prepared transaction has "
+                            "held the xmin horizon back (VACUUM keeps what it may still see)")
+HORIZON_AGE_XIDS = Gauge("agent_inbox_horizon_age_xids",
+                         "Transactions since the oldest xmin still held (age(xmin))")
+DEAD_TUPLES = Gauge("agent_inbox_dead_tuples", "Dead tuples of the inbox's tables (n_dead_tup)",
+                    ["table"])
+
 
 def count_ingested(source: str, stored: bool) -> None:
     (INGESTED if stored else DUPLICATES).labels(source).inc()

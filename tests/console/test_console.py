@@ -95,6 +95,7 @@ def test_the_overview_json_matches_the_database(busy, console, database_url):
     assert (document["pending"], document["running"], document["dead"], document["workers"]) == (
         by_status["pending"], by_status["running"], by_status["dead"], 1)
     assert document["oldest_pending_age"] >= 0
+    assert document["horizon"]["age_seconds"] >= 0 and "leases" in document["horizon"]["dead_tuples"]
 
 
 def test_hidden_payloads_for_viewers(busy, database_url):

@@ -36,7 +36,7 @@ from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 from starlette.templating import Jinja2Templates
 
-from agent_inbox import db, errors, operator, tables, validate
+from agent_inbox import db, errors, horizon, operator, tables, validate
 from agent_inbox.console import auth, queries
 from agent_inbox.console.auth import Authenticator, Principal
 from agent_inbox.ingest.logs import Throttle, shown
@@ -261,14 +261,16 @@ class Console:
         with db.connection(self.inbox.pool) as conn:
             totals = queries.overview(conn)
             minutes = stats.last_minutes(conn, 60)
+            held = horizon.read(conn).as_json()
         return self.render(request, principal, "overview.html", totals=totals,
-                           hour=_sums(minutes), now=totals["now"])
+                           hour=_sums(minutes), now=totals["now"], horizon=held)
 
     def overview_json(self, request, principal, form) -> Response:
         with db.connection(self.inbox.pool) as conn:
             totals = queries.overview(conn)
             minutes = stats.last_minutes(conn, 60)
-        return JSONResponse({**totals, "hour": _sums(minutes)})
+            held = horizon.read(conn).as_json()
+        return JSONResponse({**totals, "hour": _sums(minutes), "horizon": held})
 
     def chart(self, request, principal, form) -> Response:
         with db.connection(self.inbox.pool) as conn:

@@ -42,7 +42,7 @@ import socket
 import threading
 import time
 
-from agent_inbox import blame, errors, executors, handler, limits, metrics, validate
+from agent_inbox import blame, errors, executors, handler, horizon, limits, metrics, validate
 from agent_inbox.inbox import Inbox
 from agent_inbox.result import Result
 from agent_inbox.service import Listener, Stop, Waker, backoff_delays
@@ -72,7 +72,8 @@ class Worker:
     def __init__(self, inbox: Inbox, handler_reference: str, *, concurrency: int = 1,
                  poll_interval: float = 1.0, grace: float = 30.0, run_timeout: float = 900.0,
                  quarantine: int = 2, holder: str | None = None, stop: Stop | None = None,
-                 max_memory: int | None = None, slot: blame.Slot | None = None):
+                 max_memory: int | None = None, slot: blame.Slot | None = None,
+                 horizon_warn: float | None = horizon.WARN_AFTER):
         self.inbox = inbox
         self.app = as_app(handler.load(handler_reference, what="handler or app"),
                           handler_reference)
@@ -83,6 +84,7 @@ class Worker:
         quarantine = validate.positive_int("quarantine", quarantine)
         self.poll_interval = poll_interval
         self.grace = grace
+        self.horizon_warn = horizon_warn  # None or 0: no horizon check (horizon.py)
         self.holder = holder or holder_id()
         self.stop = stop or Stop()
         self.waker = Waker(1)
@@ -180,6 +182,9 @@ class Worker:
             self._release_predecessor(predecessor, predecessor_fate, suspect)
         self.start_app()
         Listener(url, [notify.WORK], self.waker.wake_one, self.stop).start()
+        if self.horizon_warn:
+            horizon.Checker.for_pool(self.inbox.pool, self.stop.event,
+                                     warn_after=self.horizon_warn).start()
         done = threading.Event()
         parts = [threading.Thread(target=self.completer.serve, args=(done,),
                                   name="agent-inbox-completer", daemon=True),
