@@ -209,7 +209,7 @@ class NodeMap:
                 del self._hung[key]
                 self._timeouts.pop(key, None)
         for key in back:
-            log.warning("a worker node that timed out answers again (%d buckets)", len(key))
+            log.info("a worker node that timed out answers again (%d buckets)", len(key))
 
 
 @contextlib.contextmanager

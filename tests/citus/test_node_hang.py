@@ -131,3 +131,58 @@ def test_a_call_about_a_hung_node_fails_within_its_timeout(url, cluster):
     with psycopg.connect(url, autocommit=True) as conn:
         assert conn.execute("SELECT status, attempts, count(*) FROM events GROUP BY 1, 2"
                             ).fetchall() == [("done", 1, 5)]
+
+
+def start_worker(url, log_path):
+    args = worker_args(url, "hold_until_released", "--concurrency", "10", "--poll-interval", "0.2",
+                       "--lease-ttl", "40", "--statement-timeout", str(TIMEOUT))
+    with open(log_path, "w") as log:
+        return subprocess.Popen([sys.executable, "-m", "agent_inbox.cli", *args], cwd=ROOT,
+                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+HANG = 12.0  # seconds the node hangs at least: the keeper renews (every TTL/4) meanwhile
+BOUND = 20.0  # seconds the live node's users may wait for their work while it hangs
+
+
+def test_a_worker_serves_the_live_node_while_the_other_hangs(url, cluster, tmp_path):
+    live, stuck, live_buckets = users_by_node(url, cluster, 4)
+    release = {user: str(tmp_path / f"{user}-1") for user in live + stuck}
+    again = {user: str(tmp_path / f"{user}-2") for user in live}
+    with Inbox.connect(url) as inbox:
+        inbox.ingest_many([(user, "chat", "1", {"release_file": release[user]})
+                           for user in live + stuck])
+    worker = start_worker(url, tmp_path / "worker.log")
+    try:
+        wait_until(lambda: all(os.path.exists(path + ".started") for path in release.values()),
+                   "every run in flight", timeout=60)
+        with hung(cluster.workers[1]):
+            began = time.monotonic()
+            for path in release.values():
+                open(path, "w").close()
+            wait_until(lambda: done_in(url, live_buckets) == len(live),
+                       "the live node's runs to commit", timeout=BOUND)
+            # New work for the live node's users is taken while the other hangs.
+            with Inbox.connect(url, statement_timeout=TIMEOUT) as inbox:
+                for user in live:
+                    open(again[user], "w").close()
+                    inbox.ingest(user, "chat", "2", {"release_file": again[user]})
+            wait_until(lambda: done_in(url, live_buckets) == 2 * len(live),
+                       "the live node's new work to be done", timeout=BOUND)
+            served = time.monotonic() - began
+            time.sleep(max(0.0, HANG - served))
+        wait_until(lambda: done_in(url, list(range(citus.BUCKETS))) == 2 * len(live) + len(stuck),
+                   "the hung node's runs to commit once it answers", timeout=60)
+    finally:
+        stop_all([worker], kill=lambda process: os.killpg(process.pid, signal.SIGKILL))
+    log = (tmp_path / "worker.log").read_text()
+    assert worker.returncode == 0, log[-3000:]
+    assert served < BOUND, served
+    assert "(timed out)" in log and "statement timeout" in log, log[-3000:]
+    assert "lease lost" not in log, log[-3000:]
+    with psycopg.connect(url, autocommit=True) as conn:
+        events = conn.execute("SELECT status, attempts, count(*) FROM events GROUP BY 1, 2"
+                              ).fetchall()
+        messages = conn.execute("SELECT body, count(*) FROM outbox GROUP BY 1").fetchall()
+    assert events == [("done", 1, 2 * len(live) + len(stuck))]      # none claimed twice
+    assert messages == [("released", 2 * len(live) + len(stuck))]   # one per run
