@@ -39,12 +39,13 @@ import hashlib
 import logging
 import math
 import re
+import threading
 import time
 from collections.abc import Iterator
 
 import psycopg
 
-from agent_inbox import errors
+from agent_inbox import db, errors
 from agent_inbox.store import notify
 from agent_inbox.store.clock import DB_CLOCK
 
@@ -129,6 +130,19 @@ NODE_MAP_TTL = 10.0
 SKIP_WARNING_INTERVAL = 30.0
 """Seconds between two warnings that one node's buckets were skipped."""
 
+SLOW_FAILURE = 1.0
+"""A node's failure that took at least this long (a timeout: the node hangs,
+it does not refuse) sets its buckets aside for HUNG_SKIP seconds."""
+
+HUNG_SKIP = 5.0
+"""Seconds a node that timed out is not asked again: the calls about its
+buckets say at once that it did not answer, instead of each waiting out the
+timeout again (a keeper renewing, a completer retrying finishes, a take
+reading due buckets). Then it is asked once more; each timeout in a row
+doubles the pause, up to HUNG_SKIP_MAX; an answer ends it."""
+
+HUNG_SKIP_MAX = 30.0
+
 
 class NodeMap:
     """Which buckets each worker node holds (NODE_BUCKETS), read again at most
@@ -140,6 +154,9 @@ class NodeMap:
         self._groups: list[list[int]] = []
         self._read_at = -math.inf
         self._warned: dict[tuple[int, ...], float] = {}
+        self._hung: dict[tuple[int, ...], float] = {}  # a node's buckets: set aside until
+        self._timeouts: dict[tuple[int, ...], int] = {}  # a node's timeouts in a row
+        self._lock = threading.Lock()  # the keeper, the completer and takes share one map
 
     def groups(self, conn: psycopg.Connection) -> list[list[int]]:
         if time.monotonic() - self._read_at > NODE_MAP_TTL:
@@ -156,21 +173,70 @@ class NodeMap:
             log.warning("a worker node did not answer; its buckets are skipped until it "
                         "does: %s", first_line(exc))
 
+    def hung(self, bucket: int) -> bool:
+        """Whether `bucket`'s node timed out within the last HUNG_SKIP seconds."""
+        now = time.monotonic()
+        with self._lock:
+            return any(until > now and bucket in group for group, until in self._hung.items())
+
+    def failed(self, buckets, exc: BaseException, seconds: float) -> None:
+        """A piece of work on the node of `buckets` (some of them) failed after
+        `seconds`: if that is a timeout (SLOW_FAILURE or more), the node's
+        buckets are set aside for HUNG_SKIP seconds, with a warning."""
+        if seconds < SLOW_FAILURE:
+            return
+        wanted = set(buckets)
+        for group in self._groups:
+            if not wanted & set(group):
+                continue
+            with self._lock:
+                key = tuple(group)
+                self._timeouts[key] = self._timeouts.get(key, 0) + 1
+                pause = min(HUNG_SKIP_MAX, HUNG_SKIP * 2 ** (self._timeouts[key] - 1))
+                self._hung[key] = time.monotonic() + pause
+                log.warning("a worker node did not answer within %.1f s (timed out): its %d "
+                            "buckets are set aside for %g s: %s", seconds, len(group), pause,
+                            first_line(exc))
+
+    def answered(self, buckets) -> None:
+        """The node of `buckets` answered: it is not set aside any more."""
+        if not self._hung:
+            return
+        wanted = set(buckets)
+        with self._lock:
+            back = [key for key in self._hung if wanted & set(key)]
+            for key in back:
+                del self._hung[key]
+                self._timeouts.pop(key, None)
+        for key in back:
+            log.info("a worker node that timed out answers again (%d buckets)", len(key))
+
 
 @contextlib.contextmanager
-def node_may_fail(conn: psycopg.Connection, failures: list) -> Iterator[None]:
+def node_may_fail(conn: psycopg.Connection, failures: list, nodes: "NodeMap | None" = None,
+                  buckets=()) -> Iterator[None]:
     """Around a piece of work on one node (a bucket's transaction or read) sent
     through the coordinator connection `conn`: if the node does not answer,
     or the work deadlocks, while `conn` itself is fine, the error is added to
     `failures` and the piece is skipped (a transaction inside is rolled back),
     so the work on other nodes goes on. A lost coordinator connection, and any
-    other error, goes up."""
+    other error, goes up; but a connection closed under a statement that had no
+    answer within its bound (db.StatementCut: the node hangs, and the
+    coordinator with it) is a failure of the piece: the caller, whose `conn` is
+    closed, leaves the rest undone (`conn.closed`). Given `nodes` and the piece's
+    `buckets`, a failure that was a timeout sets the node aside (NodeMap.failed)."""
+    began = time.monotonic()
     try:
         yield
+        if nodes is not None:
+            nodes.answered(buckets)
     except psycopg.OperationalError as exc:
-        if conn.closed or conn.broken:
+        cut = isinstance(exc, db.StatementCut) or isinstance(exc.__cause__, db.StatementCut)
+        if (conn.closed or conn.broken) and not cut:
             raise
         failures.append(exc)
+        if nodes is not None:
+            nodes.failed(buckets, exc, time.monotonic() - began)
 
 
 def per_node(conn: psycopg.Connection, nodes: NodeMap, statement: str,
@@ -183,8 +249,10 @@ def per_node(conn: psycopg.Connection, nodes: NodeMap, statement: str,
     read would abort a transaction)."""
     rows, failures = [], []
     for buckets in nodes.groups(conn):
+        if nodes.hung(buckets[0]) or conn.closed:  # timed out a moment ago: not asked
+            continue
         failed = len(failures)
-        with node_may_fail(conn, failures):
+        with node_may_fail(conn, failures, nodes, buckets):
             rows += conn.execute(statement, {**params, "buckets": buckets}).fetchall()
         if len(failures) > failed:
             nodes.skipped(buckets, failures[-1])
@@ -414,14 +482,21 @@ class Detector:
     database is distributed (`distributed`, None until then); on Citus every
     connection of the pool then routes its statements (RoutedCursor)."""
 
-    def __init__(self):
+    def __init__(self, *, node_connection_timeout: float | None = None):
         self.distributed: bool | None = None
+        # Seconds the coordinator may take to open a connection to a worker
+        # node for this session (Citus's default is 30), if set: a session
+        # setting, so not behind a transaction pooler.
+        self.node_connection_timeout = node_connection_timeout
 
     def __call__(self, conn: psycopg.Connection) -> None:
         if self.distributed is None:
             self.distributed = is_distributed(conn)
         if self.distributed:
             conn.cursor_factory = RoutedCursor
+            if self.node_connection_timeout:
+                conn.execute("SELECT set_config('citus.node_connection_timeout', %s, false)",
+                             (f"{int(self.node_connection_timeout * 1000)}ms",))
 
 
 # What the events_inserted trigger does on plain PostgreSQL, done on Citus by

@@ -121,8 +121,12 @@ def open_service_inbox(args: argparse.Namespace, pool_size: int, *, stop=None, *
     while True:
         try:
             revision.require_head(args.database_url, pooler=args.pooler)
+            timeout = getattr(args, "statement_timeout", db.DEFAULT_STATEMENT_TIMEOUT) or None
             inbox = Inbox.connect(args.database_url, pool_size=pool_size, pooler=args.pooler,
-                                  application_name=f"agent-inbox-{args.command}", **options)
+                                  application_name=f"agent-inbox-{args.command}",
+                                  statement_timeout=timeout,
+                                  connect_timeout=timeout or db.DEFAULT_CONNECT_TIMEOUT,
+                                  **options)
             break
         except errors.DatabaseUnavailable as exc:
             if stop is None:
@@ -265,6 +269,14 @@ def add_service_options(parser: argparse.ArgumentParser) -> None:
                         choices=["debug", "info", "warning", "error"])
     parser.add_argument("--metrics-port", type=int, default=env_default("metrics-port", 0),
                         help="serve Prometheus metrics on this port (default: off)")
+    parser.add_argument(
+        "--statement-timeout", type=float,
+        default=float(env_default("statement-timeout", db.DEFAULT_STATEMENT_TIMEOUT)),
+        help="seconds the service waits for any one answer of the database (a statement, a "
+             "commit) before it gives up on it, and a new connection may take to open; on "
+             "Citus also the coordinator's to a worker node: a node that hangs holds up "
+             "only its own users; 0 for no bound (default 5; env "
+             "AGENT_INBOX_STATEMENT_TIMEOUT)")
     parser.add_argument("--metrics-host", default=env_default("metrics-host", "127.0.0.1"),
                         help="address the metrics listen on (default 127.0.0.1; 0.0.0.0 for "
                              "every interface)")

@@ -12,9 +12,21 @@ statement (psycopg would after 5 executions, and the next transaction's server
 does not have it), and the code keeps no session state (no session advisory
 lock, no SET outside a transaction, no temporary table; LISTEN only on a direct
 connection: service.Listener).
+
+Bounds (`open_pool`'s `statement_timeout` and `connect_timeout`, 5 s each by
+default): a pooled connection waits at most `statement_timeout` seconds for any
+answer (BoundedConnection: past it the connection is closed and the statement
+fails with StatementCut, a DatabaseUnavailable once translated); on a direct
+connection the server's own statement_timeout is set a little below it, so
+the server normally cancels first and the connection stays usable. libpq's
+connect_timeout bounds a connection's opening, TCP keepalives and
+tcp_user_timeout a peer that is gone (a host down, a network cut). Behind a
+transaction pooler no session setting is made (the server's statement_timeout
+is then the role's or the pooler's own): the client's bound holds all the same.
 """
 
 import contextlib
+import math
 import random
 import time
 from collections.abc import Callable, Iterator
@@ -39,18 +51,110 @@ def connect_options(pooler: str) -> dict:
     return {"prepare_threshold": None} if pooler == "transaction" else {}
 
 
+DEFAULT_STATEMENT_TIMEOUT = 5.0
+"""Seconds a pooled connection waits for an answer, by default (None: no bound)."""
+
+DEFAULT_CONNECT_TIMEOUT = 5.0
+"""Seconds a new connection may take to open, by default (libpq's minimum is 2)."""
+
+SERVER_SHARE = 0.8
+"""The server's statement_timeout, as a share of the client's bound: the
+server's cancel (a clean error, the connection kept) comes first when it can."""
+
+# TCP liveness of a pooled connection: an idle peer probed after 5 s, every 2 s,
+# given up after 2 unanswered probes; data unacknowledged for 5 s ends it.
+LIVENESS = {"keepalives": 1, "keepalives_idle": 5, "keepalives_interval": 2,
+            "keepalives_count": 2, "tcp_user_timeout": 5000}
+
+
+class StatementCut(psycopg.OperationalError):
+    """No answer came within the connection's bound (BoundedConnection): the
+    connection was closed under the statement."""
+
+
+class BoundedConnection(psycopg.Connection):
+    """A connection that waits at most `bound` seconds (None: no bound) for any
+    one answer of the server: a statement, a commit, a rollback. Past it the
+    connection is closed and StatementCut raised: the server's own
+    statement_timeout cannot end every wait (a Citus coordinator whose worker
+    node stopped answering waits for that node even to cancel: its abort
+    sends the node a cancel request and waits for the reply)."""
+
+    bound: float | None = None
+
+    def wait(self, gen, *args, **kwargs):
+        if self.bound is None or args[1:] or "timeout" in kwargs or not _CAN_CUT:
+            return super().wait(gen, *args, **kwargs)
+        try:
+            return super().wait(gen, *args, timeout=self.bound, **kwargs)
+        except _WAIT_TIMEOUT:
+            self.pgconn.finish()  # mid-statement: never to be used again
+            raise StatementCut(f"no answer from the database within {self.bound:g} s "
+                               "(statement timeout): connection closed") from None
+
+
+# psycopg >= 3.3 ends a wait past a timeout; an older one waits unbounded.
+_WAIT_TIMEOUT = getattr(psycopg.errors, "_WaitTimeout", None)
+_CAN_CUT = _WAIT_TIMEOUT is not None
+
+
+@contextlib.contextmanager
+def unbounded(conn: psycopg.Connection) -> Iterator[None]:
+    """In the caller's transaction on a pooled connection: no statement timeout,
+    the server's (SET LOCAL) or the client's, for an operator's long work
+    (prune)."""
+    bound = getattr(conn, "bound", None)
+    if bound is not None and getattr(conn, "server_timeout", False):
+        conn.execute("SET LOCAL statement_timeout = 0")
+    conn.bound = None
+    try:
+        yield
+    finally:
+        conn.bound = bound
+
+
+def _seconds(name: str, value: float | None) -> float | None:
+    if value is None or value == 0:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
+            math.isfinite(value) and value > 0):
+        raise errors.InvalidInput(name, value, "must be a positive number of seconds, or None")
+    return float(value)
+
+
 def open_pool(url: str, *, size: int, name: str = "agent-inbox", timeout: float = 30.0,
-              pooler: str = "none", configure=None) -> ConnectionPool:
+              pooler: str = "none", configure=None,
+              statement_timeout: float | None = DEFAULT_STATEMENT_TIMEOUT,
+              connect_timeout: float | None = DEFAULT_CONNECT_TIMEOUT) -> ConnectionPool:
     """A pool of `size` autocommit connections; raises DatabaseUnavailable if the
     first connection cannot be made within `timeout` seconds. `configure(conn)`,
-    if given, is called on each new connection."""
+    if given, is called on each new connection. Each connection opens within
+    `connect_timeout` seconds and waits at most `statement_timeout` seconds for
+    any answer (see the module's docstring; None for either: no bound)."""
+    bound = _seconds("statement_timeout", statement_timeout)
+    opening = _seconds("connect_timeout", connect_timeout)
+    if opening is not None:
+        opening = max(2, math.ceil(opening))  # libpq: whole seconds, at least 2
+
+    def bounded(conn: psycopg.Connection) -> None:
+        conn.bound = None  # the set-up itself is not bounded by the run path's bound
+        conn.server_timeout = bound is not None and pooler == "none"
+        if conn.server_timeout:  # session state: not behind a transaction pooler
+            conn.execute("SELECT set_config('statement_timeout', %s, false)",
+                         (f"{max(1, int(bound * SERVER_SHARE * 1000))}ms",))
+        if configure is not None:
+            configure(conn)
+        conn.bound = bound
+
     pool = ConnectionPool(
         url,
         min_size=1,
         max_size=size,
-        kwargs={"autocommit": True, "application_name": name, **connect_options(pooler)},
+        kwargs={"autocommit": True, "application_name": name, **connect_options(pooler),
+                **LIVENESS, **({"connect_timeout": opening} if opening else {})},
+        connection_class=BoundedConnection,
         name=name,
-        configure=configure,
+        configure=bounded,
         open=False,
     )
     try:
@@ -112,6 +216,37 @@ def connection(pool: ConnectionPool) -> Iterator[psycopg.Connection]:
     """One autocommit connection: each statement is its own transaction."""
     with translated(), pool.connection() as conn:
         yield conn
+
+
+class Connections:
+    """For a loop of pieces of work, each on one connection: a pooled connection
+    at a time (`get()`), replaced by another when a piece left it closed (a
+    statement cut past its bound: citus.node_may_fail), so the pieces after it
+    go on. A context manager: the last one goes back to the pool at the end."""
+
+    def __init__(self, pool: ConnectionPool):
+        self.pool = pool
+        self._held: contextlib.AbstractContextManager | None = None
+        self._conn: psycopg.Connection | None = None
+
+    def get(self) -> psycopg.Connection:
+        if self._conn is None or self._conn.closed:
+            self.close()
+            held = connection(self.pool)
+            self._conn = held.__enter__()
+            self._held = held
+        return self._conn
+
+    def close(self) -> None:
+        held, self._held, self._conn = self._held, None, None
+        if held is not None:
+            held.__exit__(None, None, None)
+
+    def __enter__(self) -> "Connections":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
 
 
 @contextlib.contextmanager

@@ -66,19 +66,29 @@ class Inbox(Runs, Scheduling, Delivery, Permissions):
 
     @classmethod
     def connect(cls, url: str, *, pool_size: int = 4, application_name: str = "agent-inbox",
-                pooler: str = "none", **options) -> "Inbox":
+                pooler: str = "none",
+                statement_timeout: float | None = db.DEFAULT_STATEMENT_TIMEOUT,
+                connect_timeout: float | None = db.DEFAULT_CONNECT_TIMEOUT,
+                **options) -> "Inbox":
         """Open a pool to `url` (any libpq connection string or URI). With
         `pooler="transaction"`, `url` may be a transaction pooler's (PgBouncer in
         `pool_mode = transaction`): no statement is prepared on the server.
+        `statement_timeout` (seconds, 5 by default; None: no bound) bounds every
+        wait for the database's answer, `connect_timeout` (5) a connection's
+        opening and, on Citus, the coordinator's to a worker node
+        (citus.node_connection_timeout): see db.py. An operator's long work
+        (prune) lifts the statement bound for itself.
         `options` are the constructor's: max_attempts=3, lease_ttl=120,
         outbox_gap=3600, max_payload_bytes=1 MiB, max_memory_bytes=256 KiB, retry_backoff=5,
         retry_backoff_cap=300, max_batch=100, send_timeout=120, max_send_attempts=10,
         send_backoff=5, send_backoff_cap=300."""
         validate.text("url", url)
         validate.positive_int("pool_size", pool_size)
-        detector = citus.Detector()
+        detector = citus.Detector(node_connection_timeout=connect_timeout
+                                  if pooler == "none" else None)
         pool = db.open_pool(url, size=pool_size, name=application_name, pooler=pooler,
-                            configure=detector)
+                            configure=detector, statement_timeout=statement_timeout,
+                            connect_timeout=connect_timeout)
         pool.citus = detector.distributed
         try:
             return cls(pool, **options)
@@ -290,7 +300,7 @@ class Inbox(Runs, Scheduling, Delivery, Permissions):
         last_user = ""
         with db.connection(self._pool) as conn:
             while True:
-                with conn.transaction():
+                with conn.transaction(), db.unbounded(conn):
                     users = retention.users_after(conn, last_user, users_per_transaction)
                     if not users:
                         return deleted, compacted

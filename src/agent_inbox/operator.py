@@ -288,7 +288,8 @@ def _opened(args: argparse.Namespace, name: str):
                                   "is required (or AGENT_INBOX_DATABASE_URL)")
     revision.require_head(args.database_url, pooler=args.pooler)
     with Inbox.connect(args.database_url, pool_size=1, pooler=args.pooler,
-                       application_name=f"agent-inbox-{name}") as inbox:
+                       application_name=f"agent-inbox-{name}",
+                       statement_timeout=None) as inbox:  # an operator's scans take their time
         yield inbox
 
 

@@ -74,6 +74,10 @@ class Outcome:
                             tracing.run_traceparent(run) if self.messages else None)
 
 
+# Why a call left a node's users alone without asking it (citus.NodeMap.hung).
+HUNG = "their worker node timed out a moment ago (set aside for a while)"
+
+
 class Runs:
     """Mixed into `agent_inbox.Inbox` (which owns `_pool`, `policy`, `lease_ttl`,
     `citus`, `_by_bucket`, `_nodes`)."""
@@ -114,7 +118,10 @@ class Runs:
         failures: list[Exception] = []
         with db.connection(self._pool) as conn:
             for bucket in bucketed.due_buckets(conn, self._nodes, now):
-                with citus.node_may_fail(conn, failures), conn.transaction():
+                if conn.closed:  # cut under a read of a node that hangs
+                    break
+                with citus.node_may_fail(conn, failures, self._nodes, [bucket]), \
+                        conn.transaction():
                     got = bucketed.take(conn, bucket, holder, self.lease_ttl, self.policy,
                                         now, users - len(taken))
                 if failures:
@@ -132,19 +139,25 @@ class Runs:
         holder = _holder_of(runs)
         now = validate.optional_epoch("now", now)
         renewed, unknown, failures = set(), set(), []
-        with db.connection(self._pool) as conn:
-            if not self.citus:
+        if not self.citus:
+            with db.connection(self._pool) as conn:
                 return lease.renew(conn, holder, [run.key for run in runs], self.lease_ttl,
                                    now) if runs else set()
+        with db.Connections(self._pool) as conns:
             for keys in self._by_bucket([run.key for run in runs]):
+                bucket = citus.bucket(keys[0][0])
+                conn = conns.get()  # another if a hung node's statement was cut
+                if self._nodes.hung(bucket):  # its node timed out a moment ago: not waited for
+                    unknown.update(keys)
+                    continue
                 failed = len(failures)
-                with citus.node_may_fail(conn, failures):
+                with citus.node_may_fail(conn, failures, self._nodes, [bucket]):
                     renewed |= lease.renew(conn, holder, keys, self.lease_ttl, now)
                 if len(failures) > failed:
                     unknown.update(keys)
-        if failures:
-            raise errors.PartlyDone(f"{len(unknown)} leases not renewed: "
-                                    f"{citus.first_line(failures[0])}", renewed, unknown)
+        if unknown:
+            why = citus.first_line(failures[0]) if failures else HUNG
+            raise errors.PartlyDone(f"{len(unknown)} leases not renewed: {why}", renewed, unknown)
         return renewed
 
     def release(self, user: str, holder: str, gen: int, *, now: int | None = None) -> bool:
@@ -280,17 +293,24 @@ class Runs:
         None where nothing was committed."""
         flags: list[bool | None] = []
         failures: list[Exception] = []
-        with db.connection(self._pool) as conn:
+        with db.Connections(self._pool) as conns:
             for o in outcomes:
+                bucket = citus.bucket(o.run.user)
+                conn = conns.get()  # another if a hung node's statement was cut
+                if self._nodes.hung(bucket):  # its node timed out a moment ago: not waited for
+                    flags.append(None)
+                    continue
                 failed = len(failures)
-                with citus.node_may_fail(conn, failures), conn.transaction():
+                with citus.node_may_fail(conn, failures, self._nodes, [bucket]), \
+                        conn.transaction():
                     accepted = bucketed.finish(conn, o.finish, now, release=release)
                     if accepted:
                         self._write_timers(conn, o, now)
                 flags.append(None if len(failures) > failed else accepted)  # committed, or not
-        if failures:
+        if None in flags:
+            why = citus.first_line(failures[0]) if failures else HUNG
             raise errors.PartlyDone(f"{flags.count(None)} of {len(flags)} finishes not committed: "
-                                    f"{citus.first_line(failures[0])}", flags) from failures[0]
+                                    f"{why}", flags) from (failures[0] if failures else None)
         return flags
 
     # --- durable steps (steps.py, store/steps.py) ---------------------------------------
