@@ -223,7 +223,7 @@ class Quarantine:
         while True:
             flight = self._queue.get()
             if flight is None:
-                process.stop()
+                process.close()  # between runs: its app's shutdown hooks run
                 return
             if not begin(flight):
                 continue

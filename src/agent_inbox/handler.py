@@ -22,6 +22,7 @@ import inspect
 import logging
 import multiprocessing
 import os
+import signal
 import sys
 import threading
 import time
@@ -403,6 +404,9 @@ def _serve_runs(reference: str, conn, parent: int) -> None:
     seconds the handler took), until the pipe closes. Async handlers run on one
     event loop that lives as long as the process."""
     _exit_with_parent(parent)
+    # A terminal's Ctrl-C reaches the whole process group: the worker decides
+    # when its runs stop (grace, then stop); this process ends when told.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     loop = asyncio.new_event_loop()
 
     def await_on(outcome):
@@ -530,6 +534,16 @@ class HandlerProcess:
                 self.stop()
                 return None, time.monotonic() - started
 
+    def close(self, grace: float = 5.0) -> None:
+        """End the process between runs: its pipe closed, it runs the app's
+        shutdown hooks and exits (within `grace` seconds, else it is stopped)."""
+        with self._guard:
+            process, conn = self._process, self._conn
+        if process is not None and process.is_alive():
+            conn.close()
+            process.join(timeout=grace)
+        self.stop()
+
     def stop(self) -> None:
         with self._guard:
             process, self._process = self._process, None
@@ -541,4 +555,5 @@ class HandlerProcess:
         if process.is_alive():
             process.kill()
             process.join()
-        self._conn.close()
+        if not self._conn.closed:
+            self._conn.close()

@@ -175,7 +175,7 @@ class Permissions:
         with db.connection(self._pool) as conn:
             for group in citus.groups(conn, list(range(len(asks))), lambda i: asks[i].user):
                 with conn.transaction():
-                    for i in group:
+                    for i in sorted(group, key=lambda i: asks[i].user):  # lease locks in order
                         a = asks[i]
                         answer = policies.decide(conn, a.user, a.holder, a.gen, a.tool,
                                                  a.args_digest, now)

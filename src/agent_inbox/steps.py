@@ -126,7 +126,13 @@ class RunSteps:
         if self._recorded is None:
             if self._loading is None:
                 self._loading = asyncio.ensure_future(self.journal.recorded_async())
-            self._recorded = _by_position(await asyncio.shield(self._loading))
+            loading = self._loading
+            try:
+                self._recorded = _by_position(await asyncio.shield(loading))
+            except BaseException:
+                if self._loading is loading and loading.done():
+                    self._loading = None  # a failed read is asked again by the next step
+                raise
         replayed, result = self._replay(position, name, occurrence)
         span.set_attribute("agent_inbox.step.replayed", replayed)
         if replayed:

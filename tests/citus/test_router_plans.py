@@ -78,6 +78,7 @@ STATEMENTS = {
     "memory: delete": (memory.DELETE, {"user": "alice"}),
     "memory: read": (memory.GET, {"user": "alice"}),
     "memory: an operator's lock": (memory.OPERATOR_LOCK, {"user": "alice", "now": None}),
+    "permit: the fence": (policies.HOLD, {**RUN}),
     "permit: decide": (policies.DECIDE, {**RUN, "tool": "t", "request_id": "permit:t:0"}),
     "permit: record": (policies.RECORD, {**RUN, "tool": "t", "digest": "0", "answer": "deny",
                                           "rule": "none"}),

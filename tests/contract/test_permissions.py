@@ -161,3 +161,25 @@ def test_the_policy_cli_and_its_audit(capsys, database_url, inbox):
     decisions = run_json(capsys, database_url, "policy", "decisions", "--user", "gus")
     assert [d["answer"] for d in decisions["decisions"]] == ["ask"]
     assert json.loads(json.dumps(decisions))["user"] == "gus"
+
+
+def test_a_permit_racing_a_takeover_waits_for_it_and_is_refused(database_url, inbox, make_inbox):
+    """The decision takes the lease row FOR SHARE: behind a takeover not yet
+    committed it waits, then sees the new generation: LeaseLost, nothing
+    recorded."""
+    from tests.contract.test_concurrency import race_behind
+
+    inbox.set_policy("refund", "allow", actor="ops")
+    racer = make_inbox(application_name="racer-permit")
+    ctx = racer.context(a_run(racer, "ivy"))
+    takeover = "UPDATE leases SET holder = 'B', gen = gen + 1 WHERE user_id = %(user)s"
+
+    def ask():
+        try:
+            return ctx.permit_sync("refund", {"order": 1})
+        except errors.LeaseLost as exc:
+            return exc
+
+    [answer] = race_behind(database_url, takeover, {"user": "ivy"}, [ask], commit=True)
+    assert isinstance(answer, errors.LeaseLost)
+    assert inbox.permit_decisions("ivy") == []

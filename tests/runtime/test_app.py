@@ -67,6 +67,8 @@ def test_a_quarantine_process_runs_the_apps_hooks_too(database_url, inbox, tmp_p
         "hello crasher (allow, attempt 2, deadline True)"]
     pids = {pid for pid, what in hooks(tmp_path) if what == "startup"}
     assert len(pids) == 3  # the first runtime, the next one, and its quarantine process
+    stopped = {pid for pid, what in hooks(tmp_path) if what == "shutdown"}
+    assert len(stopped) == 2  # the second runtime and its quarantine process (the first died)
 
 
 def test_a_startup_hook_that_raises_stops_the_worker_as_bad_configuration(database_url,

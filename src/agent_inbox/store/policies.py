@@ -38,8 +38,17 @@ def request_id(tool: str, args_digest: str) -> str:
     return f"permit:{tool}:{args_digest[:32]}"
 
 
-# The rule that applies, the answer of its approval request if it asks, and
-# whether the asking run holds its lease. Reads only, locks nothing.
+# The asking run's fence: its lease row FOR SHARE if its holder holds it in
+# its generation, unexpired (as a step's record takes it, store/steps.py): a
+# takeover either commits first (no row: LeaseLost) or waits for the decision.
+HOLD = f"""
+SELECT 1 FROM leases l
+ WHERE l.user_id = %(user)s AND l.holder = %(holder)s AND l.gen = %(gen)s AND l.until >= {NOW}
+   FOR SHARE
+"""
+
+# The rule that applies, and the answer of its approval request if it asks.
+# Reads only.
 DECIDE = f"""
 WITH rule AS (
     SELECT r.rule, r.answer, r.ask_expires_in FROM (
@@ -57,10 +66,7 @@ WITH rule AS (
 SELECT rule.rule, rule.answer, rule.ask_expires_in,
        (SELECT e.payload->>'answer' FROM events e
          WHERE e.user_id = %(user)s AND e.source = 'approval'
-           AND e.source_id = %(request_id)s) AS approval,
-       EXISTS (SELECT 1 FROM leases l
-                WHERE l.user_id = %(user)s AND l.holder = %(holder)s AND l.gen = %(gen)s
-                  AND l.until >= {NOW}) AS held
+           AND e.source_id = %(request_id)s) AS approval
   FROM rule
 """
 
@@ -73,13 +79,15 @@ VALUES (%(user)s, {NOW}, %(tool)s, %(digest)s, %(answer)s, %(rule)s, %(holder)s,
 def decide(conn, user: str, holder: str, gen: int, tool: str, args_digest: str,
            now: int | None) -> tuple[str, str, int] | None:
     """(answer, rule, ask_expires_in) for the call, recorded, in the caller's
-    transaction; None if the run no longer holds its lease (nothing recorded).
+    transaction (callers decide several users' calls in user order, as leases
+    are locked everywhere); None if the run no longer holds its lease (nothing
+    recorded).
     The answer is 'allow', 'deny', or 'ask' for an unanswered approval."""
     params = {"user": user, "holder": holder, "gen": gen, "tool": tool, "digest": args_digest,
               "request_id": request_id(tool, args_digest), "now": now}
-    rule, answer, expires_in, approval, held = conn.execute(DECIDE, params).fetchone()
-    if not held:
+    if conn.execute(HOLD, params).fetchone() is None:
         return None
+    rule, answer, expires_in, approval = conn.execute(DECIDE, params).fetchone()
     if answer == "ask" and approval is not None:
         answer, rule = ("allow" if approval == "yes" else "deny"), f"{rule} answered {approval}"
     conn.execute(RECORD, {**params, "answer": answer, "rule": rule})

@@ -180,7 +180,11 @@ class Worker:
         Inbox.release_holder)."""
         if predecessor:
             self._release_predecessor(predecessor, predecessor_fate, suspect)
-        self.start_app()
+        try:
+            self.start_app()
+        except BaseException:
+            self.close()
+            raise
         Listener(url, [notify.WORK], self.waker.wake_one, self.stop).start()
         if self.horizon_warn:
             horizon.Checker.for_pool(self.inbox.pool, self.stop.event,
@@ -250,7 +254,6 @@ class Worker:
         then its startup hooks (async ones on the handlers' event loop). A hook
         that raises is bad configuration: InvalidInput, nothing taken."""
         app = self.app
-        self._app_started = True
         if app.policies:
             self.inbox.declare_policies(dict(app.policies))
         for name, limit in dict(app.limits).items():
@@ -260,6 +263,7 @@ class Worker:
         except Exception as exc:
             raise errors.InvalidInput("app", app.handler,
                                       f"startup hook failed: {handler.describe(exc)}") from exc
+        self._app_started = True
 
     def close(self) -> None:
         """The app's shutdown hooks (after the last run), then the executors:

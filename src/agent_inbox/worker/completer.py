@@ -64,6 +64,10 @@ class WorkerJournal:
 
     def _ask(self, record: StepRecord | None) -> concurrent.futures.Future:
         reply = concurrent.futures.Future()
+        if self._flight.ctx.lease_lost.is_set():  # stopped: nothing it records would stand
+            reply.set_exception(errors.StepRefused(
+                f"{self._flight.label} was stopped: its steps are no longer recorded"))
+            return reply
         self._queue.put(StepWork(self._flight, record, reply, time.monotonic()))
         return reply
 
@@ -95,6 +99,9 @@ def worker_permits(completer_queue: queue.SimpleQueue, flight: InFlight) -> RunP
     completer, which decides those of every run in flight together."""
     def ask(question: PermitAsk) -> concurrent.futures.Future:
         reply = concurrent.futures.Future()
+        if flight.ctx.lease_lost.is_set():  # stopped: the answer is LeaseLost
+            reply.set_result(None)
+            return reply
         completer_queue.put(PermitWork(flight, question, reply))
         return reply
 
@@ -219,6 +226,15 @@ class Completer:
         """Commit endings as they come: everything that ended within
         COMMIT_WINDOW of the first one waiting, in one commit. Until `done` is
         set and nothing is left to write."""
+        try:
+            self._serve(done)
+        finally:  # a question asked after the last drain is answered, never left waiting
+            left = []
+            while not self.queue.empty():
+                left.append(self.queue.get_nowait())
+            _fail_unanswered(left, errors.LeaseLost("the worker is stopping: the run is over"))
+
+    def _serve(self, done: threading.Event) -> None:
         while not (done.is_set() and self.queue.empty() and not self._retries):
             batch = self._due_retries()
             if not batch:
@@ -232,7 +248,12 @@ class Completer:
                     batch.append(self.queue.get(timeout=wait))
                 except queue.Empty:
                     break
-            batch = self.answer(batch)
+            try:
+                batch = self.answer(batch)
+            except Exception as exc:  # never lose the completer: fail the questions asked
+                log.exception("completer: answering the runs' questions failed")
+                _fail_unanswered(batch, exc)
+                batch = [item for item in batch if isinstance(item, Ending)]
             if not batch:
                 continue
             try:
@@ -377,6 +398,17 @@ class Completer:
         for flight in flights:
             log.info("lease %s %s (never started)",
                      "given back" if flight.run.user in given else "not given back", flight.label)
+
+
+def _fail_unanswered(items: list, exc: Exception) -> None:
+    """Fail the durable-step and permit questions among `items` that are not
+    answered yet (their runs' handlers wait on them)."""
+    for item in items:
+        if isinstance(item, (StepWork, PermitWork)) and not item.reply.done():
+            try:
+                item.reply.set_exception(_step_failure(exc))
+            except concurrent.futures.InvalidStateError:  # answered or cancelled meanwhile
+                pass
 
 
 def _step_failure(exc: Exception) -> Exception:
