@@ -50,9 +50,9 @@ from agent_inbox import metrics
 log = logging.getLogger("agent_inbox.horizon")
 
 # The inbox's tables (schema.metadata's, checked by a test), for their dead tuples.
-TABLES = ("default_policies", "deliveries", "events", "leases", "limits", "memory",
-          "operator_actions", "outbox", "permit_decisions", "policies", "run_stats", "steps",
-          "timers", "wakes")
+TABLES = ("console_sessions", "default_policies", "deliveries", "events", "leases", "limits",
+          "memory", "operator_actions", "outbox", "permit_decisions", "policies", "run_stats",
+          "steps", "timers", "wakes")
 
 # seconds between checks (AGENT_INBOX_HORIZON_INTERVAL)
 INTERVAL = float(os.environ.get("AGENT_INBOX_HORIZON_INTERVAL", "30"))
