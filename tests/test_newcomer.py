@@ -151,8 +151,8 @@ def test_the_intake_reads_either_secrets_variable(monkeypatch, variables, expect
 
 # --- Event's fields are documented ---------------------------------------------------------
 
-def test_every_event_field_is_documented_in_its_docstring_and_the_readme():
-    readme = (ROOT / "README.md").read_text()
+def test_every_event_field_is_documented_in_its_docstring_and_the_docs():
+    readme = (ROOT / "docs" / "writing-an-agent.md").read_text()
     for field in dataclasses.fields(records.Event):
         assert f"- `{field.name}`:" in records.Event.__doc__, field.name
         assert f"`{field.name}`" in readme.split("| field | what it holds |")[1].split("\n\n")[0], \
@@ -160,7 +160,7 @@ def test_every_event_field_is_documented_in_its_docstring_and_the_readme():
 
 
 def test_the_outbox_gap_is_in_the_dispatchers_synopsis_and_help():
-    readme = (ROOT / "README.md").read_text()
+    readme = (ROOT / "docs" / "services.md").read_text()
     synopsis = readme[readme.index("agent-inbox dispatcher --database-url URL"):]
     assert "[--outbox-gap S]" in synopsis.split("```")[0]
     dispatcher = cli.build_parser()._subparsers._group_actions[0].choices["dispatcher"]
