@@ -84,3 +84,39 @@ def test_skip_backend_skips_with_its_reason_and_refuses_typos_and_silence():
                    pytest.mark.skip_backend(reason="why")):
         with pytest.raises(pytest.fail.Exception):
             _skip_reason(_Node(silent), "plain")
+
+
+# --- the run path is chosen once (run_path.py) -----------------------------------
+
+SRC = TESTS.parent / "src" / "agent_inbox"
+# Where the choice is made: Inbox.connect detects a coordinator, run_path.for_pool
+# picks the implementation, and citus.py is the per-bucket side's own module.
+CHOOSES = {"inbox.py", "run_path.py", "citus.py", "cli.py"}
+
+
+def branches_on_the_backend(src: Path = SRC) -> list[str]:
+    """Reads of an `Inbox.citus` flag (`x.citus` used as a condition) outside
+    the seam's construction."""
+    found = []
+    for path in sorted(src.rglob("*.py")):
+        if path.name in CHOOSES and path.parent == src:
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            tests_ = [node.test] if isinstance(node, (ast.If, ast.IfExp, ast.While)) else []
+            tests_ += node.values if isinstance(node, ast.BoolOp) else []
+            for test in tests_:
+                for part in ast.walk(test):
+                    if isinstance(part, ast.Attribute) and part.attr == "citus":
+                        found.append(f"{path.relative_to(src.parent)}:{part.lineno}")
+    return found
+
+
+def test_nothing_outside_the_seam_branches_on_citus():
+    assert branches_on_the_backend() == []
+
+
+def test_the_backend_check_sees_a_branch(tmp_path):
+    (tmp_path / "runs.py").write_text("def f(self):\n    if self.citus:\n        return 1\n"
+                                      "    return 2 if self.inbox.citus else 3\n")
+    assert branches_on_the_backend(tmp_path) == [f"{tmp_path.name}/runs.py:2",
+                                                 f"{tmp_path.name}/runs.py:4"]

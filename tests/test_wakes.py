@@ -9,7 +9,6 @@ same user commits; its wake must survive, and the user be taken."""
 import psycopg
 
 from agent_inbox import Result
-from agent_inbox.store import admin
 from tests.races import Racers, wait_for_lock_waiters
 
 T = 1_000_000
@@ -117,8 +116,8 @@ def test_a_requeued_dead_event_is_taken_at_once(database_url, make_inbox):
     parked = inbox.take_work("H", now=T + 1000)              # out of attempts: parked dead
     assert parked.died == 1 and inbox.finish_run(parked, Result(), now=T + 1000)
     assert inbox.take_work("H", now=T + 1000) is None and wakes(database_url, "u") == []
-    with psycopg.connect(database_url) as conn:
-        assert admin.requeue(conn, [("u", run.events[0].id)], T + 1000, "operator")
+    assert inbox.repair_dead([("u", run.events[0].id)], requeue=True, actor="operator",
+                             now=T + 1000)
     again = inbox.take_work("H", now=T + 1000)
     assert [e.id for e in again.events] == [run.events[0].id]
 

@@ -263,21 +263,6 @@ def first_line(exc: BaseException) -> str:
     return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
 
 
-def routes(conn: psycopg.Connection) -> bool:
-    """Whether `conn` is an Inbox connection to a Citus coordinator (it routes
-    its statements: RoutedCursor)."""
-    factory = conn.cursor_factory
-    return isinstance(factory, type) and issubclass(factory, RoutedCursor)
-
-
-def groups(conn: psycopg.Connection, items: list, user_of) -> list[list]:
-    """`items` in one group on a plain connection; on one that routes, one
-    group per bucket (by_bucket). No items, no group."""
-    if not items:
-        return []
-    return by_bucket(items, user_of) if routes(conn) else [list(items)]
-
-
 def is_distributed(conn: psycopg.Connection) -> bool:
     """Whether this database is a Citus coordinator with the events table
     distributed (by `distribute`)."""

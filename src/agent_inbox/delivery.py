@@ -6,9 +6,9 @@ import inspect
 from collections.abc import Callable
 from typing import Any
 
-from agent_inbox import citus, db, errors, tracing, validate
+from agent_inbox import db, errors, tracing, validate
 from agent_inbox.records import OutboxMessage
-from agent_inbox.store import bucketed, outbox
+from agent_inbox.store import outbox
 from agent_inbox.store.outbox import Batch, Failure
 
 
@@ -50,8 +50,8 @@ def channel_of(send: Callable[..., Any]) -> Callable[[str, str, str], Any]:
 
 class Delivery:
     """Mixed into `agent_inbox.Inbox` (which owns `_pool`, `outbox_gap`, `send_policy`,
-    `citus`, `_by_bucket`, `_nodes`). On Citus a dispatcher's claims and outcomes are one
-    transaction per bucket (store/bucketed.py), each on one node."""
+    `_path`, `_by_bucket`). On Citus a dispatcher's claims and outcomes are one
+    transaction per bucket (run_path.PerBucket), each on one node."""
     def dispatch(self, user: str, send: Callable[..., Any], *, now: int | None = None) -> int:
         """Send the user's held messages as one text, at most once per outbox_gap
         (an urgent message goes at once); the number of messages sent. `send` is
@@ -101,26 +101,8 @@ class Delivery:
         """Claim up to `limit` users whose delivery is due (the dispatcher's
         scan), in one short transaction: (users looked at, the batches to send
         now). Users looked at with nothing to send yet are due again when they can."""
-        if self.citus:
-            return self._claim_due_by_bucket(limit, now)
-        with db.transaction(self._pool) as conn:
-            locked = outbox.lock_due(conn, limit, now)
-            return len(locked), self._claim(conn, locked, now)
-
-    def _claim_due_by_bucket(self, limit: int, now: int | None) -> tuple[int, list[Batch]]:
-        """On Citus: the buckets with due users, longest due first (one read
-        across shards, no lock), each claimed from in a transaction of its own."""
-        with db.connection(self._pool) as conn:
-            buckets = bucketed.due_delivery_buckets(conn, self._nodes, now)
-        looked, batches = 0, []
-        for bucket in buckets:
-            with db.transaction(self._pool) as conn:
-                locked = bucketed.lock_due_deliveries(conn, bucket, limit - looked, now)
-                batches += self._claim(conn, locked, now)
-            looked += len(locked)
-            if looked >= limit:
-                break
-        return looked, batches
+        return self._path.claim_due_deliveries(
+            limit, now, lambda conn, locked: self._claim(conn, locked, now))
 
     def _claim(self, conn, locked: list[str], now: int | None) -> list[Batch]:
         if not locked:
@@ -157,7 +139,7 @@ class Delivery:
         with db.connection(self._pool) as conn:
             users = outbox.stale_pace_users(conn, self.outbox_gap, now)
             changed = 0
-            for group in citus.groups(conn, users, lambda user: user):
+            for group in self._by_bucket(users, lambda user: user):
                 with conn.transaction():
                     changed += outbox.repace(conn, group, self.outbox_gap, now)
         return changed

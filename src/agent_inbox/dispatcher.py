@@ -214,7 +214,7 @@ class Dispatcher:
         """At most every ADOPT_EVERY seconds: make users due whose held messages
         no dispatcher is due to look at (queued by a worker older than this schema;
         never on Citus, which no such worker ran on)."""
-        if self.inbox.citus or time.monotonic() - self._adopted_at < ADOPT_EVERY:
+        if not self.inbox.adopts_held_messages or time.monotonic() - self._adopted_at < ADOPT_EVERY:
             return
         with db.connection(self.inbox.pool) as conn:
             adopted = outbox.adopt_held(conn, now)

@@ -11,13 +11,13 @@ for tests and simulations.
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from agent_inbox import citus, db, errors, metrics, tracing, validate
+from agent_inbox import citus, db, errors, metrics, run_path, tracing, validate
 from agent_inbox.delivery import Delivery
 from agent_inbox.permissions import Permissions
 from agent_inbox.records import EVENT_STATUSES, ClaimPolicy, Event, SendPolicy
 from agent_inbox.runs import Run, Runs
 from agent_inbox.scheduling import Scheduling
-from agent_inbox.store import admin, bucketed, inbox, lease, retention, steps
+from agent_inbox.store import admin, inbox, lease, outbox, retention, steps
 from agent_inbox.store import memory as memories
 from agent_inbox.store.steps import RecordedStep
 
@@ -59,10 +59,9 @@ class Inbox(Runs, Scheduling, Delivery, Permissions):
         self.max_payload_bytes = validate.positive_int("max_payload_bytes", max_payload_bytes)
         self.max_memory_bytes = validate.positive_int("max_memory_bytes", max_memory_bytes)
         self._pool = pool
-        # On a Citus coordinator (citus.py) statements are routed by bucket and
-        # the code that inserts events does the events_inserted trigger's work.
-        self.citus = bool(getattr(pool, "citus", False))
-        self._nodes = citus.NodeMap()  # on Citus, which buckets each worker node holds
+        # How the run path's transactions are cut: set-based on one server,
+        # one bucket per transaction on a Citus coordinator (run_path.py).
+        self._path = run_path.for_pool(pool)
 
     @classmethod
     def connect(cls, url: str, *, pool_size: int = 4, application_name: str = "agent-inbox",
@@ -102,6 +101,17 @@ class Inbox(Runs, Scheduling, Delivery, Permissions):
         return self._pool
 
     @property
+    def citus(self) -> bool:
+        """Whether the database is a Citus coordinator (a distributed layout)."""
+        return self._path.distributed
+
+    @property
+    def adopts_held_messages(self) -> bool:
+        """Whether a dispatcher looks for held messages no delivery is due for
+        (queued by a worker older than the deliveries schema; never on Citus)."""
+        return self._path.adopts_held_messages
+
+    @property
     def max_attempts(self) -> int:
         return self.policy.max_attempts
 
@@ -112,9 +122,7 @@ class Inbox(Runs, Scheduling, Delivery, Permissions):
         """`items` (about users: `user_of(item)`) in one group, or on Citus in
         one group per bucket: a statement or transaction about several users
         is then sent once per group, each to one node. No items, no group."""
-        if not items:
-            return []
-        return citus.by_bucket(items, user_of) if self.citus else [list(items)]
+        return self._path.groups(items, user_of)
 
     def __enter__(self) -> "Inbox":
         return self
@@ -136,13 +144,8 @@ class Inbox(Runs, Scheduling, Delivery, Permissions):
         user, source, source_id, kind = validate.event_names("", user, source, source_id, kind)
         encoded = validate.payload("payload", payload, self.max_payload_bytes)
         traceparent = _traceparent(traceparent)
-        if self.citus:
-            with db.transaction(self._pool) as conn:
-                stored = inbox.insert(conn, user, source, source_id, encoded, kind, traceparent)
-                citus.events_inserted(conn, [user] if stored else [])
-        else:
-            with db.connection(self._pool) as conn:
-                stored = inbox.insert(conn, user, source, source_id, encoded, kind, traceparent)
+        stored = self._path.ingest(user, lambda conn: inbox.insert(
+            conn, user, source, source_id, encoded, kind, traceparent))
         metrics.count_ingested(source, stored)
         return stored
 
@@ -176,9 +179,8 @@ class Inbox(Runs, Scheduling, Delivery, Permissions):
                     chunk = group[start:start + INGEST_CHUNK]
                     flags = inbox.insert_many(conn, [row for _, row in chunk])
                     stored.update(zip((n for n, _ in chunk), flags))
-                    if self.citus:
-                        citus.events_inserted(conn, [row[0] for (_, row), ok in zip(chunk, flags)
-                                                     if ok])
+                    self._path.events_inserted(conn, [row[0] for (_, row), ok
+                                                      in zip(chunk, flags) if ok])
             return [stored[n] for n in range(len(rows))]
 
         stored = db.in_transaction(self._pool, insert_all)
@@ -232,6 +234,34 @@ class Inbox(Runs, Scheduling, Delivery, Permissions):
         with db.connection(self._pool) as conn:
             return steps.list_steps(conn, user)
 
+    # --- operators' repairs ---------------------------------------------------
+
+    def repair_dead(self, pairs: list[tuple[str, int]], *, requeue: bool, actor: str,
+                    now: int | None = None) -> list[dict]:
+        """Requeue (attempts 0, claimable now, the workers woken) or discard
+        (row and key deleted) the dead events among (user, id) `pairs`, in one
+        transaction, each recorded in operator_actions, and their durable steps
+        deleted; the rows repaired, as they were. Events no longer dead are left
+        alone."""
+        pairs = [(validate.text("user", user), validate.positive_int("id", event_id))
+                 for user, event_id in pairs]
+        actor = validate.text("actor", actor)
+        now = validate.optional_epoch("now", now)
+        with db.transaction(self._pool) as conn:
+            return self._path.repair_dead(conn, pairs, requeue, actor, now)
+
+    def repair_failed_batches(self, batches: list[int], *, retry: bool, actor: str,
+                              now: int | None = None) -> list[dict]:
+        """Retry (due at once) or discard the failed outbox batches among
+        `batches`, in one transaction, recorded in operator_actions; the
+        batches repaired, as they were."""
+        batches = validate.ids("batches", batches)
+        actor = validate.text("actor", actor)
+        now = validate.optional_epoch("now", now)
+        with db.transaction(self._pool) as conn:
+            return outbox.repair_failed(conn, batches, retry=retry, actor=actor, now=now,
+                                        groups=self._by_bucket)
+
     # --- lease, claim, finish --------------------------------------------------
 
     def acquire(self, user: str, holder: str, *, now: int | None = None) -> int | None:
@@ -272,16 +302,7 @@ class Inbox(Runs, Scheduling, Delivery, Permissions):
         if error is not None:
             error = validate.text("error", error)
         now = validate.optional_epoch("now", now)
-        finish = inbox.Finish(user, holder, gen, ids, messages, error)
-        if self.citus:
-            with db.transaction(self._pool) as conn:
-                return bucketed.finish(conn, finish, now, release=False)
-        with db.connection(self._pool) as conn:
-            with db.pipelined_transaction(conn):
-                conn.execute(lease.LOCK, {"user": user})
-                verdict = inbox.send_finish(conn, [finish], now)
-            [accepted] = inbox.read_verdicts(verdict)
-            return accepted
+        return self._path.finish_one(inbox.Finish(user, holder, gen, ids, messages, error), now)
 
     def prune(self, *, older_than: int, dedup_window: int = 7 * 86400, include_dead: bool = False,
               now: int | None = None, progress: Callable[[int, int, int], Any] | None = None,
@@ -304,9 +325,12 @@ class Inbox(Runs, Scheduling, Delivery, Permissions):
                     users = retention.users_after(conn, last_user, users_per_transaction)
                     if not users:
                         return deleted, compacted
-                    gone, emptied = retention.prune_users(
-                        conn, users, older_than=older_than, window=dedup_window,
-                        statuses=statuses, now=now)
+                    gone = emptied = 0
+                    for group in self._by_bucket(users, lambda user: user):
+                        pruned = retention.prune_users(
+                            conn, group, older_than=older_than, window=dedup_window,
+                            statuses=statuses, now=now)
+                        gone, emptied = gone + pruned[0], emptied + pruned[1]
                 deleted, compacted = deleted + gone, compacted + emptied
                 users_seen, last_user = users_seen + len(users), users[-1]
                 if progress:

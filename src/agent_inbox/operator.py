@@ -465,13 +465,15 @@ def cmd_dead_list(args: argparse.Namespace, name: str) -> int:
 @_command("dead-requeue")
 def cmd_dead_requeue(args: argparse.Namespace, name: str) -> int:
     return _repair(args, name, "requeue", "requeued", "(attempts 0, claimable now)",
-                   lambda conn, pairs: admin.requeue(conn, pairs, args.now, _actor()))
+                   lambda inbox, pairs: inbox.repair_dead(pairs, requeue=True, actor=_actor(),
+                                                          now=args.now))
 
 
 @_command("dead-discard")
 def cmd_dead_discard(args: argparse.Namespace, name: str) -> int:
     return _repair(args, name, "discard", "discarded", "(their keys can be stored again)",
-                   lambda conn, pairs: admin.discard(conn, pairs, _actor()))
+                   lambda inbox, pairs: inbox.repair_dead(pairs, requeue=False,
+                                                          actor=_actor()))
 
 
 def _repair(args: argparse.Namespace, name: str, verb: str, done_word: str, note: str,
@@ -485,8 +487,7 @@ def _repair(args: argparse.Namespace, name: str, verb: str, done_word: str, note
             found = admin.resolve(conn, ids, args.user)
         pairs = [(found[i][0], i) for i in ids if i in found]
         for start in range(0, len(pairs), CHUNK):
-            with db.transaction(inbox.pool) as conn:
-                rows = apply(conn, pairs[start:start + CHUNK])
+            rows = apply(inbox, pairs[start:start + CHUNK])  # a transaction each
             _audit(f"dead {verb}", rows)
             done += rows
             if len(pairs) > CHUNK:
@@ -587,8 +588,7 @@ def _repair_batches(args: argparse.Namespace, name: str, *, retry: bool, done_wo
     (recorded in operator_actions); the others are listed as what they are."""
     ids = sorted(set(args.ids))
     with _opened(args, name) as inbox:
-        with db.transaction(inbox.pool) as conn:
-            done = outbox.repair_failed(conn, ids, retry=retry, actor=_actor(), now=args.now)
+        done = inbox.repair_failed_batches(ids, retry=retry, actor=_actor(), now=args.now)
         done_ids = {row["batch"] for row in done}
         with db.connection(inbox.pool) as conn:
             states = outbox.batch_states(conn, [i for i in ids if i not in done_ids])

@@ -23,7 +23,7 @@ import enum
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from agent_inbox import citus, db, errors, validate
+from agent_inbox import db, errors, validate
 from agent_inbox.result import ApprovalRequest
 from agent_inbox.store import policies
 
@@ -169,18 +169,20 @@ class Permissions:
     def decide_permits(self, asks: list[PermitAsk], *,
                        now: int | None = None) -> list[Decision | None]:
         """Decide and record runs' permit calls in one transaction (on Citus one
-        per bucket), a Decision each, or None where the run's lease is lost."""
+        per bucket), a Decision each, or None where the run's lease is lost. On
+        Citus a bucket whose node does not answer is left undone: PartlyDone
+        (`done`: the answers; `unknown`: the indices of the asks left undone)."""
         now = validate.optional_epoch("now", now)
-        decided: dict[int, Decision | None] = {}
-        with db.connection(self._pool) as conn:
-            for group in citus.groups(conn, list(range(len(asks))), lambda i: asks[i].user):
-                with conn.transaction():
-                    for i in sorted(group, key=lambda i: asks[i].user):  # lease locks in order
-                        a = asks[i]
-                        answer = policies.decide(conn, a.user, a.holder, a.gen, a.tool,
-                                                 a.args_digest, now)
-                        decided[i] = None if answer is None else Decision(*answer)
-        return [decided[i] for i in range(len(asks))]
+
+        def decide(conn, group: list[PermitAsk]) -> list[Decision | None]:
+            answers: dict[int, Decision | None] = {}
+            for k in sorted(range(len(group)), key=lambda k: group[k].user):  # locks in order
+                a = group[k]
+                answer = policies.decide(conn, a.user, a.holder, a.gen, a.tool, a.args_digest,
+                                         now)
+                answers[k] = None if answer is None else Decision(*answer)
+            return [answers[k] for k in range(len(group))]
+        return self._path.in_groups(asks, lambda ask: ask.user, decide)
 
     def _direct_permits(self, user: str, holder: str, gen: int) -> RunPermits:
         """`ctx.permit` through this Inbox: one transaction per call."""

@@ -8,13 +8,10 @@ that run commits. Several runs may share that transaction (the worker's
 completer commits every run that ended since its last commit), each behind its
 own fence: a refused run writes nothing, the others commit.
 
-On a Citus cluster (Inbox.citus) every transaction here is about one bucket,
-so that it runs on one node: work is taken one bucket at a time and a run is
-finished in a transaction of its own (store/bucketed.py); renewals, releases
-and give-backs are sent once per bucket. A worker node that does not answer
-holds up only its own users: work is found on the nodes that answer, and a
-take, a batch of finishes or a renewal that met a silent node raises
-PartlyDone with what it did on the others.
+How each call's transactions are cut (one set-based statement on one server,
+one bucket per transaction on Citus, where a silent worker node makes a take, a
+batch of finishes or a renewal raise PartlyDone with what it did on the
+others) is the Inbox's RunPath (run_path.py).
 """
 
 import asyncio
@@ -26,7 +23,7 @@ from agent_inbox.handler import Context
 from agent_inbox.records import Event
 from agent_inbox.result import KEEP, ApprovalRequest, Message, Result, TimerRequest
 from agent_inbox.steps import RunSteps
-from agent_inbox.store import approvals, bucketed, inbox, lease, steps, timers
+from agent_inbox.store import approvals, inbox, steps, timers
 from agent_inbox.store.steps import RecordedStep, StepRecord
 
 
@@ -74,13 +71,9 @@ class Outcome:
                             tracing.run_traceparent(run) if self.messages else None)
 
 
-# Why a call left a node's users alone without asking it (citus.NodeMap.hung).
-HUNG = "their worker node timed out a moment ago (set aside for a while)"
-
-
 class Runs:
     """Mixed into `agent_inbox.Inbox` (which owns `_pool`, `policy`, `lease_ttl`,
-    `citus`, `_by_bucket`, `_nodes`)."""
+    `_path`, `_by_bucket`)."""
 
     def take_work(self, holder: str, *, now: int | None = None) -> Run | None:
         """Find the user whose oldest claimable event has waited longest among
@@ -96,40 +89,11 @@ class Runs:
         holder = validate.text("holder", holder)
         users = validate.positive_int("users", users)
         now = validate.optional_epoch("now", now)
-        if self.citus:
-            taken, failure = self._take_by_bucket(holder, users, now)
-            if failure is not None:
-                raise errors.PartlyDone(f"a take stopped short: {citus.first_line(failure)}",
-                                        self._as_runs(holder, taken)) from failure
-            return self._as_runs(holder, taken)
-        with db.connection(self._pool) as conn:
-            return self._as_runs(holder, inbox.take_work(conn, holder, self.lease_ttl,
-                                                         self.policy, now, users))
-
-    def _take_by_bucket(self, holder: str, users: int,
-                        now: int | None) -> tuple[list[tuple], Exception | None]:
-        """On Citus: the buckets with due wakes, longest waiting first (read per
-        node, no lock), each taken from in a transaction of its own until
-        `users` are taken; what was taken (committed), and the failure of a
-        bucket whose node did not answer (which ends the take; None if none
-        did). A take whose commit failed may have taken runs unseen, as
-        anywhere: the caller gives back orphans."""
-        taken: list[tuple] = []
-        failures: list[Exception] = []
-        with db.connection(self._pool) as conn:
-            for bucket in bucketed.due_buckets(conn, self._nodes, now):
-                if conn.closed:  # cut under a read of a node that hangs
-                    break
-                with citus.node_may_fail(conn, failures, self._nodes, [bucket]), \
-                        conn.transaction():
-                    got = bucketed.take(conn, bucket, holder, self.lease_ttl, self.policy,
-                                        now, users - len(taken))
-                if failures:
-                    break
-                taken += got
-                if len(taken) >= users:
-                    break
-        return taken, (failures[0] if failures else None)
+        taken, failure = self._path.take(holder, users, self.lease_ttl, self.policy, now)
+        if failure is not None:
+            raise errors.PartlyDone(f"a take stopped short: {citus.first_line(failure)}",
+                                    self._as_runs(holder, taken)) from failure
+        return self._as_runs(holder, taken)
 
     def renew_runs(self, runs: list[Run], *, now: int | None = None) -> set:
         """Extend by lease_ttl, in one statement, every lease of `runs` (one
@@ -138,27 +102,7 @@ class Runs:
         with the keys extended and, as `unknown`, those of that node."""
         holder = _holder_of(runs)
         now = validate.optional_epoch("now", now)
-        renewed, unknown, failures = set(), set(), []
-        if not self.citus:
-            with db.connection(self._pool) as conn:
-                return lease.renew(conn, holder, [run.key for run in runs], self.lease_ttl,
-                                   now) if runs else set()
-        with db.Connections(self._pool) as conns:
-            for keys in self._by_bucket([run.key for run in runs]):
-                bucket = citus.bucket(keys[0][0])
-                conn = conns.get()  # another if a hung node's statement was cut
-                if self._nodes.hung(bucket):  # its node timed out a moment ago: not waited for
-                    unknown.update(keys)
-                    continue
-                failed = len(failures)
-                with citus.node_may_fail(conn, failures, self._nodes, [bucket]):
-                    renewed |= lease.renew(conn, holder, keys, self.lease_ttl, now)
-                if len(failures) > failed:
-                    unknown.update(keys)
-        if unknown:
-            why = citus.first_line(failures[0]) if failures else HUNG
-            raise errors.PartlyDone(f"{len(unknown)} leases not renewed: {why}", renewed, unknown)
-        return renewed
+        return self._path.renew(holder, [run.key for run in runs], self.lease_ttl, now)
 
     def release(self, user: str, holder: str, gen: int, *, now: int | None = None) -> bool:
         """Expire a held lease at once (gen kept, so it still fences this holder)."""
@@ -170,13 +114,7 @@ class Runs:
 
     def _release(self, conn, holder: str, keys: list[tuple[str, int]], now: int | None,
                  **options) -> list[str]:
-        if not self.citus:
-            return lease.release(conn, holder, keys, now, **options) if keys else []
-        released = []
-        for group in self._by_bucket(keys):  # one node's transaction each
-            with conn.transaction():
-                released += bucketed.release(conn, holder, group, now, **options)
-        return released
+        return self._path.release(conn, holder, keys, now, **options)
 
     def release_runs(self, runs: list[Run], *, error: str | None = None,
                      at_once: bool = True, now: int | None = None) -> list[str]:
@@ -222,9 +160,7 @@ class Runs:
     def _held_by(self, conn, holder: str, now: int | None) -> list[tuple[str, int]]:
         """The (user, gen) of the leases `holder` holds; on Citus, on the nodes
         that answer."""
-        if self.citus:
-            return bucketed.held_by(conn, self._nodes, holder, now)
-        return lease.held_by(conn, holder, now)
+        return self._path.held_by(conn, holder, now)
 
     def outcome(self, run: Run, result: Result, *, steps_recorded: bool = True) -> Outcome:
         """Check a handler's result for committing; InvalidInput names what is wrong.
@@ -265,53 +201,9 @@ class Runs:
             return flags
 
     def _finish_runs(self, outcomes: list[Outcome], release: bool, now: int | None) -> list[bool]:
-        if self.citus:
-            return self._finish_each(outcomes, release, now)
-        users = sorted(o.run.user for o in outcomes)
-        finishes = [o.finish for o in outcomes]
-        with db.connection(self._pool) as conn:
-            if any(o.writes_timers for o in outcomes):
-                # Timers and approvals are written only once their fence has said yes.
-                with conn.transaction():
-                    conn.execute(lease.LOCK_MANY, {"users": users})
-                    accepted = inbox.finish(conn, finishes, now, release=release)
-                    for o, ok in zip(outcomes, accepted):
-                        if ok:
-                            self._write_timers(conn, o, now)
-                    return accepted
-            # Locks, fenced finishes and commit, sent as one pipeline: one round trip.
-            with db.pipelined_transaction(conn):
-                conn.execute(lease.LOCK_MANY, {"users": users})
-                verdicts = inbox.send_finish(conn, finishes, now, release=release)
-            return inbox.read_verdicts(verdicts)
-
-    def _finish_each(self, outcomes: list[Outcome], release: bool,
-                     now: int | None) -> list[bool]:
-        """On Citus: each run's finish in a transaction of its own (one node).
-        A run whose node does not answer (or that deadlocks) commits nothing
-        and the others commit: PartlyDone, whose `done` has a flag per outcome,
-        None where nothing was committed."""
-        flags: list[bool | None] = []
-        failures: list[Exception] = []
-        with db.Connections(self._pool) as conns:
-            for o in outcomes:
-                bucket = citus.bucket(o.run.user)
-                conn = conns.get()  # another if a hung node's statement was cut
-                if self._nodes.hung(bucket):  # its node timed out a moment ago: not waited for
-                    flags.append(None)
-                    continue
-                failed = len(failures)
-                with citus.node_may_fail(conn, failures, self._nodes, [bucket]), \
-                        conn.transaction():
-                    accepted = bucketed.finish(conn, o.finish, now, release=release)
-                    if accepted:
-                        self._write_timers(conn, o, now)
-                flags.append(None if len(failures) > failed else accepted)  # committed, or not
-        if None in flags:
-            why = citus.first_line(failures[0]) if failures else HUNG
-            raise errors.PartlyDone(f"{flags.count(None)} of {len(flags)} finishes not committed: "
-                                    f"{why}", flags) from (failures[0] if failures else None)
-        return flags
+        return self._path.finish_many(
+            [o.finish for o in outcomes], release, now, [o.writes_timers for o in outcomes],
+            lambda conn, i: self._write_timers(conn, outcomes[i], now))
 
     # --- durable steps (steps.py, store/steps.py) ---------------------------------------
 
@@ -319,34 +211,21 @@ class Runs:
         """Commit step records (of any runs of one holder), each behind its run's
         fence; a flag per record, in order: False where the fence refused it (its
         run's lease is lost) and nothing of it was stored. On Citus one
-        transaction per bucket."""
+        transaction per bucket, and a bucket whose node does not answer is left
+        undone: PartlyDone (`done`: the flags, None where undone; `unknown`: the
+        indices of the records left undone)."""
         now = validate.optional_epoch("now", now)
         if not records:
             return []
-        order = sorted(range(len(records)), key=lambda i: records[i].user)
-        stored: dict[int, bool] = {}
-        with db.connection(self._pool) as conn:
-            if self.citus:
-                for group in citus.by_bucket(order, lambda i: records[i].user):
-                    with conn.transaction():
-                        flags = bucketed.record_steps(conn, [records[i] for i in group], now)
-                    stored.update(zip(group, flags))
-            else:
-                with conn.transaction():
-                    kept = steps.record(conn, records, now)
-                stored = {i: (r.user, r.gen, r.position) in kept for i, r in enumerate(records)}
-        return [stored[i] for i in range(len(records))]
+        return self._path.record_steps(records, now)
 
     def recorded_steps(self, runs: list[tuple[str, tuple[int, ...]]]) -> list[list[RecordedStep]]:
         """For each (user, event ids): the steps recorded for exactly those events,
-        in order. One read (on Citus one per bucket)."""
+        in order. One read (on Citus one per bucket: PartlyDone as in record_steps
+        if a node does not answer)."""
         if not runs:
             return []
-        answers: dict[int, list[RecordedStep]] = {}
-        with db.connection(self._pool) as conn:
-            for group in citus.groups(conn, list(range(len(runs))), lambda i: runs[i][0]):
-                answers.update(zip(group, steps.recorded(conn, [runs[i] for i in group])))
-        return [answers[i] for i in range(len(runs))]
+        return self._path.in_groups(runs, lambda run: run[0], steps.recorded)
 
     def context(self, run: Run, *, max_step_bytes: int | None = None) -> Context:
         """A handler's context for `run`, taken without a worker (take_work,
@@ -369,17 +248,8 @@ class Runs:
         claims undone (attempts included). A run whose lease is no longer held
         is left alone. The users given back."""
         now = validate.optional_epoch("now", now)
-        if self.citus:  # one node's transaction per bucket
-            given = []
-            for group in self._by_bucket([(r.user, r.holder, r.gen, r.unfinished > 0)
-                                          for r in runs]):
-                with db.transaction(self._pool) as conn:
-                    given += bucketed.hand_back(conn, group, now)
-            return given
-        with db.transaction(self._pool) as conn:
-            conn.execute(lease.LOCK_MANY, {"users": sorted(run.user for run in runs)})
-            answers = self._send_hand_back(conn, runs, now)
-            return [user for answer in answers for user, in answer.fetchall()]
+        return self._path.hand_back([(r.user, r.holder, r.gen, r.unfinished > 0)
+                                     for r in runs], now)
 
     def hand_back_orphans(self, holder: str, known: list[Run] = (), *,
                           now: int | None = None) -> list[str]:
@@ -387,28 +257,7 @@ class Runs:
         `known` (runs a lost commit may have taken unseen); the users given back."""
         holder = validate.text("holder", holder)
         now = validate.optional_epoch("now", now)
-        if self.citus:  # HAND_BACK_ORPHANS locks across shards: found first, given back by bucket
-            with db.connection(self._pool) as conn:
-                held = self._held_by(conn, holder, now)
-            mine = {run.key for run in known}
-            orphans = [Run(user, holder, gen, 0, [], unfinished=1) for user, gen in held
-                       if (user, gen) not in mine]
-            return self.hand_back(orphans, now=now)
-        params = {"holder": holder, "users": [r.user for r in known],
-                  "gens": [r.gen for r in known], "now": now}
-        with db.transaction(self._pool) as conn:
-            return [user for user, in conn.execute(lease.HAND_BACK_ORPHANS, params).fetchall()]
-
-    @staticmethod
-    def _send_hand_back(conn, runs: list[Run], now: int | None) -> list:
-        """One HAND_BACK per holder; the cursors answer the users given back."""
-        answers = []
-        for holder in sorted({run.holder for run in runs}):
-            mine = [run for run in runs if run.holder == holder]
-            answers.append(conn.execute(lease.HAND_BACK, {
-                "holder": holder, "users": [r.user for r in mine], "gens": [r.gen for r in mine],
-                "unfinished": [r.unfinished > 0 for r in mine], "now": now}))
-        return answers
+        return self._path.hand_back_orphans(holder, [run.key for run in known], now)
 
     @staticmethod
     def _write_timers(conn, o: Outcome, now: int | None) -> None:

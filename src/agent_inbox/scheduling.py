@@ -1,7 +1,6 @@
 """Timers and approvals: create and list timers, run the scheduler, request and
 answer approvals (the answer and the expiry race under one inbox key)."""
 
-import functools
 import logging
 from collections.abc import Mapping
 from typing import Any
@@ -9,7 +8,7 @@ from typing import Any
 from agent_inbox import cron as cron_schedule
 from agent_inbox import db, errors, metrics, validate
 from agent_inbox.records import Timer
-from agent_inbox.store import approvals, bucketed, timers
+from agent_inbox.store import approvals, timers
 
 log = logging.getLogger("agent_inbox.scheduler")
 
@@ -21,8 +20,7 @@ SCHEDULER_BATCH = 500
 
 
 class Scheduling:
-    """Mixed into `agent_inbox.Inbox` (which owns `_pool`, `max_payload_bytes`, `citus`,
-    `_nodes`)."""
+    """Mixed into `agent_inbox.Inbox` (which owns `_pool`, `max_payload_bytes`, `_path`)."""
 
     def add_timer(self, user: str, timer_id: str, due: int, payload: Mapping[str, Any], *,
                   every: int | None = None, key: tuple[str, str] | None = None,
@@ -93,13 +91,7 @@ class Scheduling:
         now = validate.optional_epoch("now", now)
         fired_total = 0
         with db.connection(self._pool) as conn:
-            if self.citus:  # one bucket's timers per transaction (store/bucketed.py)
-                firings = [functools.partial(bucketed.fire_timers, conn, bucket)
-                           for bucket in bucketed.due_timer_buckets(conn, self._nodes, now)]
-            else:
-                firings = [functools.partial(fire, conn)
-                           for fire in (timers.fire_due_batch, timers.fire_due_cron)]
-            for fire in firings:
+            for fire in self._path.timer_firings(conn, now):
                 while True:
                     with conn.transaction():
                         batch = fire(now, SCHEDULER_BATCH)
@@ -137,6 +129,4 @@ class Scheduling:
         answer = validate.answer("answer", answer)
         now = validate.optional_epoch("now", now)
         with db.transaction(self._pool) as conn:
-            if self.citus:
-                return bucketed.answer(conn, user, request_id, answer, now)
-            return approvals.answer(conn, user, request_id, answer, now)
+            return self._path.answer_approval(conn, user, request_id, answer, now)

@@ -24,6 +24,9 @@ import psycopg
 import pytest
 
 from agent_inbox import Inbox, Result, citus, errors, pgserver
+from agent_inbox.permissions import PermitAsk
+from agent_inbox.store import policies
+from agent_inbox.store.steps import StepRecord
 from tests.citus.support import started_cluster
 from tests.citus.test_node_down import done_in, users_by_node
 from tests.runtime.support import ROOT, stop_all, wait_until, worker_args
@@ -131,6 +134,52 @@ def test_a_call_about_a_hung_node_fails_within_its_timeout(url, cluster):
     with psycopg.connect(url, autocommit=True) as conn:
         assert conn.execute("SELECT status, attempts, count(*) FROM events GROUP BY 1, 2"
                             ).fetchall() == [("done", 1, 5)]
+
+
+def test_steps_and_permit_calls_of_the_live_node_are_answered_while_the_other_hangs(url,
+                                                                                     cluster):
+    """A completer asks the durable steps and permit calls of every run in
+    flight at once: a hung node fails only its own users' questions."""
+    live, stuck, _ = users_by_node(url, cluster, 2)
+    with Inbox.connect(url, lease_ttl=60, statement_timeout=TIMEOUT,
+                       connect_timeout=TIMEOUT) as inbox:
+        inbox.set_policy("search", "allow", actor="ops@host")
+        inbox.ingest_many([(user, "chat", "1", {}) for user in live + stuck])
+        runs = sorted(inbox.take_runs("holder", users=10), key=lambda run: run.user)
+        assert sorted(run.user for run in runs) == sorted(live + stuck)
+        undone = {i for i, run in enumerate(runs) if run.user in stuck}
+        records = [StepRecord(run.user, run.holder, run.gen, tuple(e.id for e in run.events), 1,
+                              "fetch", 1, '"fetched"') for run in runs]
+        asks = [PermitAsk(run.user, run.holder, run.gen, "search", policies.digest({}))
+                for run in runs]
+        with hung(cluster.workers[1]):
+            with pytest.raises(errors.PartlyDone) as recorded:
+                inbox.record_steps(records)
+            assert recorded.value.unknown == undone
+            assert [flag for i, flag in enumerate(recorded.value.done) if i not in undone] \
+                == [True] * len(live)
+            with pytest.raises(errors.PartlyDone) as read:  # the node is set aside: at once
+                inbox.recorded_steps([(run.user, tuple(e.id for e in run.events))
+                                      for run in runs])
+            assert read.value.unknown == undone
+            assert all(len(steps) == 1 for i, steps in enumerate(read.value.done)
+                       if i not in undone)
+            with pytest.raises(errors.PartlyDone) as decided:
+                inbox.decide_permits(asks)
+            assert decided.value.unknown == undone
+            assert [d.answer for i, d in enumerate(decided.value.done) if i not in undone] \
+                == ["allow"] * len(live)
+
+        def recorded_all():  # once the node is no longer set aside
+            try:
+                return inbox.record_steps([records[i] for i in sorted(undone)])
+            except errors.PartlyDone:
+                return None
+
+        assert wait_until(recorded_all, "the hung node's step records", timeout=60) \
+            == [True] * len(stuck)
+        assert inbox.finish_runs([inbox.outcome(run, Result()) for run in runs]) \
+            == [True] * len(runs)
 
 
 def start_worker(url, log_path):

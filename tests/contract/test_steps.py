@@ -10,8 +10,7 @@ import asyncio
 import psycopg
 import pytest
 
-from agent_inbox import Result, db, errors
-from agent_inbox.store import admin
+from agent_inbox import Result, errors
 from tests.contract.test_concurrency import race_behind
 
 
@@ -218,8 +217,7 @@ def test_a_requeued_dead_event_starts_with_no_steps(make_inbox, database_url):
     assert inbox.finish_run(parked, Result())
     [event] = inbox.events("jo")
     assert event.status == "dead" and len(inbox.steps("jo")) == 1
-    with db.transaction(inbox.pool) as conn:
-        assert len(admin.requeue(conn, [("jo", event.id)], None, "test")) == 1
+    assert len(inbox.repair_dead([("jo", event.id)], requeue=True, actor="test")) == 1
     assert inbox.steps("jo") == []
     run = inbox.take_work("A")
     assert inbox.context(run).step_sync("tool", lambda: "again") == "again"

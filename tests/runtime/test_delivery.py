@@ -11,7 +11,7 @@ import threading
 import psycopg
 import pytest
 
-from agent_inbox import Message, PermanentSendError, Result, citus, db
+from agent_inbox import Message, PermanentSendError, Result, citus
 from agent_inbox.dispatcher import Dispatcher
 from agent_inbox.store import bucketed, outbox
 from tests.races import Racers, wait_for_lock_waiters
@@ -260,8 +260,7 @@ def test_an_operator_retry_does_not_send_a_second_batch_inside_the_gap(make_inbo
     dispatcher.run_once(now=T)
     assert [t for t, _ in sends] == ["second"]
     [parked] = [m.batch for m in inbox.outbox("u") if m.failed_at is not None]
-    with db.transaction(inbox.pool) as conn:
-        assert outbox.repair_failed(conn, [parked], retry=True, actor="test", now=T + 1)
+    assert inbox.repair_failed_batches([parked], retry=True, actor="test", now=T + 1)
     refuse["on"] = False
     dispatcher.run_once(now=T + 1)
     assert [t for t, _ in sends] == ["second"]

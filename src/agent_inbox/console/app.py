@@ -337,11 +337,7 @@ class Console:
     def dead_apply(self, request, principal, form) -> Response:
         action = _action(form, ("requeue", "discard"))
         pairs = _picked_events(form)
-        with db.transaction(self.inbox.pool) as conn:
-            if action == "requeue":
-                done = admin.requeue(conn, pairs, None, principal.actor)
-            else:
-                done = admin.discard(conn, pairs, principal.actor)
+        done = self.inbox.repair_dead(pairs, requeue=action == "requeue", actor=principal.actor)
         log.info("console %s by %s: %d of %d events: %s", action, principal.actor, len(done),
                  len(pairs), ", ".join(f"{shown(r['user'])}/{r['id']}" for r in done))
         done_keys = {(r["user"], r["id"]) for r in done}
@@ -369,9 +365,8 @@ class Console:
     def failed_apply(self, request, principal, form) -> Response:
         action = _action(form, ("retry", "discard"))
         picked = sorted(_picked_batches(form))
-        with db.transaction(self.inbox.pool) as conn:
-            done = outbox.repair_failed(conn, picked, retry=action == "retry",
-                                        actor=principal.actor, now=None)
+        done = self.inbox.repair_failed_batches(picked, retry=action == "retry",
+                                                actor=principal.actor)
         log.info("console outbox %s by %s: batches %s", action, principal.actor,
                  [r["batch"] for r in done])
         done_batches = {r["batch"] for r in done}

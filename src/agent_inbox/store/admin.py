@@ -16,8 +16,7 @@ import json
 
 from psycopg.rows import dict_row
 
-from agent_inbox import citus
-from agent_inbox.store import bucketed, notify
+from agent_inbox.store import notify
 from agent_inbox.store.clock import NOW
 
 # Spans users (operator view): every user with pending, running or dead events,
@@ -195,8 +194,6 @@ WAKE_WORKERS = f"SELECT pg_notify('{notify.WORK}', '')"
 def requeue(conn, pairs: list[tuple[str, int]], now: int | None, actor: str) -> list[dict]:
     """Requeue the dead events among (user, id) pairs, record it, and wake the
     workers; the rows requeued, with the attempts and error they had."""
-    if citus.routes(conn):
-        return bucketed.repair_dead(conn, pairs, requeue=True, actor=actor, now=now)
     users, ids = _columns(pairs)
     with conn.cursor(row_factory=dict_row) as cur:
         rows = cur.execute(REQUEUE, {"users": users, "ids": ids, "now": now,
@@ -236,8 +233,6 @@ SELECT user_id AS "user", id, source, source_id, attempts, error
 def discard(conn, pairs: list[tuple[str, int]], actor: str) -> list[dict]:
     """Delete the dead events among (user, id) pairs, recording each (with its
     payload); the rows deleted."""
-    if citus.routes(conn):
-        return bucketed.repair_dead(conn, pairs, requeue=False, actor=actor, now=None)
     users, ids = _columns(pairs)
     with conn.cursor(row_factory=dict_row) as cur:
         return cur.execute(DISCARD, {"users": users, "ids": ids, "actor": actor}).fetchall()

@@ -34,7 +34,6 @@ from dataclasses import dataclass, field
 
 from psycopg.rows import class_row, dict_row
 
-from agent_inbox import citus
 from agent_inbox.records import OutboxMessage
 from agent_inbox.store import notify
 from agent_inbox.store.clock import NOW
@@ -396,13 +395,15 @@ WITH {_FAILED_BATCHES}, deleted AS (
 ), {_RECORD_REPAIR}"""
 
 
-def repair_failed(conn, batches: list[int], *, retry: bool, actor: str,
-                  now: int | None) -> list[dict]:
+def repair_failed(conn, batches: list[int], *, retry: bool, actor: str, now: int | None,
+                  groups) -> list[dict]:
     """Retry (or discard) the failed batches among `batches`, in the caller's
-    transaction; the batches repaired, as they were."""
+    transaction, their users locked and repaired in `groups(users, user_of)`
+    (Inbox._by_bucket: on Citus one statement per bucket); the batches
+    repaired, as they were."""
     users = [u for u, in conn.execute(FAILED_USERS, {"batches": batches}).fetchall()]
     rows = []
-    for group in citus.groups(conn, users, lambda user: user):
+    for group in groups(users, lambda user: user):
         conn.execute(LOCK_USERS, {"users": group})
         params = {"batches": batches, "users": group, "actor": actor, "now": now,
                   "action": "outbox_retry" if retry else "outbox_discard"}

@@ -7,7 +7,6 @@ are kept unless asked for: they are what alerting reads. Work goes user by user
 (every statement names its users), a chunk of users per transaction.
 """
 
-from agent_inbox import citus
 from agent_inbox.store.clock import NOW
 
 # Spans users (an operator's scan): the next chunk of users, in order.
@@ -54,13 +53,11 @@ def users_after(conn, after: str, limit: int) -> list[str]:
 
 def prune_users(conn, users: list[str], *, older_than: int, window: int, statuses: list[str],
                 now: int | None) -> tuple[int, int]:
-    """(deleted, compacted) for these users, in the caller's transaction (on
-    Citus one statement per bucket)."""
-    deleted = compacted = 0
-    for group in citus.groups(conn, users, lambda user: user):
-        params = {"users": group, "statuses": statuses, "older_than": older_than,
-                  "window": window, "now": now}
-        deleted += conn.execute(DELETE_OLD, params).rowcount
-        compacted += conn.execute(COMPACT, params).rowcount
-        conn.execute(DELETE_OLD_STEPS, params)
+    """(deleted, compacted) for these users (on Citus, of one bucket), in the
+    caller's transaction."""
+    params = {"users": users, "statuses": statuses, "older_than": older_than,
+              "window": window, "now": now}
+    deleted = conn.execute(DELETE_OLD, params).rowcount
+    compacted = conn.execute(COMPACT, params).rowcount
+    conn.execute(DELETE_OLD_STEPS, params)
     return deleted, compacted

@@ -151,38 +151,39 @@ class Completer:
         one statement, the records in one commit, each behind its run's fence.
         A refused record stops its run as a lost lease does (StepRefused for the
         handler); a failed statement fails the steps that asked (the handler
-        raises; its next attempt calls those steps again)."""
+        raises; its next attempt calls those steps again): on Citus only the
+        steps of the users whose worker node did not answer."""
         work = [w for w in work if w.reply.set_running_or_notify_cancel()]  # not cancelled
         if not work:
             return
         reads = [w for w in work if w.record is None]
         writes = [w for w in work if w.record is not None]
         if reads:
-            try:
-                answers = self.inbox.recorded_steps(
-                    [(w.flight.run.user, w.flight.ctx.steps.event_ids) for w in reads])
-            except Exception as exc:
-                log.warning("reading the durable steps of %d runs failed: %s", len(reads), exc)
-                for w in reads:
-                    w.reply.set_exception(_step_failure(exc))
-            else:
-                for w, answer in zip(reads, answers):
-                    if answer:
-                        log.info("resuming %s: %d steps recorded by an earlier attempt",
-                                 w.flight.label, len(answer))
-                        metrics.STEPS.labels("replayed").inc(len(answer))
-                    w.reply.set_result(answer)
+            answers, undone, failure = _as_far_as_done(lambda: self.inbox.recorded_steps(
+                [(w.flight.run.user, w.flight.ctx.steps.event_ids) for w in reads]), len(reads))
+            if failure is not None:
+                log.warning("reading the durable steps of %d runs failed: %s", len(undone),
+                            failure)
+            for i, (w, answer) in enumerate(zip(reads, answers)):
+                if i in undone:
+                    w.reply.set_exception(_step_failure(failure))
+                    continue
+                if answer:
+                    log.info("resuming %s: %d steps recorded by an earlier attempt",
+                             w.flight.label, len(answer))
+                    metrics.STEPS.labels("replayed").inc(len(answer))
+                w.reply.set_result(answer)
         if not writes:
             return
-        try:
-            stored = self.inbox.record_steps([w.record for w in writes], now=now)
-        except Exception as exc:
-            log.warning("recording %d durable steps failed: %s", len(writes), exc)
-            for w in writes:
-                w.reply.set_exception(_step_failure(exc))
-            return
+        stored, undone, failure = _as_far_as_done(
+            lambda: self.inbox.record_steps([w.record for w in writes], now=now), len(writes))
+        if failure is not None:
+            log.warning("recording %d durable steps failed: %s", len(undone), failure)
         committed = time.monotonic()
-        for w, ok in zip(writes, stored):
+        for i, (w, ok) in enumerate(zip(writes, stored)):
+            if i in undone:
+                w.reply.set_exception(_step_failure(failure))
+                continue
             if ok:
                 metrics.STEPS.labels("recorded").inc()
                 metrics.STEP_COMMIT_SECONDS.observe(committed - w.asked)
@@ -199,18 +200,18 @@ class Completer:
         """Decide and record the permit calls of runs in flight in one
         transaction (permissions.py). A run whose lease is lost is stopped as
         for a lost lease (its handler gets LeaseLost); a failed statement fails
-        the calls that asked."""
+        the calls that asked (on Citus, those of the node that did not answer)."""
         work = [w for w in work if w.reply.set_running_or_notify_cancel()]
         if not work:
             return
-        try:
-            decisions = self.inbox.decide_permits([w.question for w in work], now=now)
-        except Exception as exc:
-            log.warning("deciding %d permit calls failed: %s", len(work), exc)
-            for w in work:
-                w.reply.set_exception(_step_failure(exc))
-            return
-        for w, decision in zip(work, decisions):
+        decisions, undone, failure = _as_far_as_done(
+            lambda: self.inbox.decide_permits([w.question for w in work], now=now), len(work))
+        if failure is not None:
+            log.warning("deciding %d permit calls failed: %s", len(undone), failure)
+        for i, (w, decision) in enumerate(zip(work, decisions)):
+            if i in undone:
+                w.reply.set_exception(_step_failure(failure))
+                continue
             if decision is None and self.flights.stop(w.flight, "lost"):
                 log.warning("lease lost %s (a permit call found it gone)", w.flight.label)
             w.reply.set_result(decision)
@@ -409,6 +410,19 @@ def _fail_unanswered(items: list, exc: Exception) -> None:
                 item.reply.set_exception(_step_failure(exc))
             except concurrent.futures.InvalidStateError:  # answered or cancelled meanwhile
                 pass
+
+
+def _as_far_as_done(call, n: int) -> tuple[list, set[int], Exception | None]:
+    """`call()`'s answers for n questions, the indices of those left unanswered
+    and the failure (None if none): on Citus a node that does not answer leaves
+    only its users' questions unanswered (errors.PartlyDone); any other failure
+    leaves them all."""
+    try:
+        return call(), set(), None
+    except errors.PartlyDone as exc:
+        return exc.done, set(exc.unknown), exc
+    except Exception as exc:
+        return [None] * n, set(range(n)), exc
 
 
 def _step_failure(exc: Exception) -> Exception:
