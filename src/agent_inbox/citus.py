@@ -307,10 +307,14 @@ def distribute(url: str, *, shard_count: int = 32) -> bool:
     module's docstring). On a database already laid out, the tables a later
     migration added are laid out the same way (steps in 0006; memory, policies
     and permit_decisions in 0007, and default_policies as a reference table).
-    `limits`, the fleet's rate budgets, stays a table of the coordinator's own. False if there
-    was nothing to do; True if this call distributed something. Runs in
+    `limits`, the fleet's rate budgets, stays a table of the coordinator's own.
+    The run path's functions (store/delegated.py) are installed after the
+    tables, and replaced where this code's differ. False if there was nothing
+    to do; True if this call distributed or installed something. Runs in
     autocommit, step by step: Citus distributes a table in a transaction of its
     own."""
+    from agent_inbox.store import delegated  # its statements import this module
+
     with _connect(url) as conn:
         _require_coordinator(conn)
         present = [t for t in USER_TABLES + REFERENCE_TABLES if _exists(conn, t)]
@@ -319,15 +323,14 @@ def distribute(url: str, *, shard_count: int = 32) -> bool:
             added = [table for table in user_tables if not _is_distributed_table(conn, table)]
             shared = [table for table in REFERENCE_TABLES
                       if table in present and not _is_distributed_table(conn, table)]
-            if not added and not shared:
-                return False
-            with conn.transaction():
-                _add_buckets(conn, added)
-            for table in added:
-                _colocate(conn, table)
-            for table in shared:
-                conn.execute("SELECT create_reference_table(%s)", (table,))
-            return True
+            if added or shared:
+                with conn.transaction():
+                    _add_buckets(conn, added)
+                for table in added:
+                    _colocate(conn, table)
+                for table in shared:
+                    conn.execute("SELECT create_reference_table(%s)", (table,))
+            return delegated.install(conn) or bool(added or shared)
         with conn.transaction():
             conn.execute(BUCKET_FUNCTION)
             conn.execute("DROP TRIGGER IF EXISTS events_inserted ON events")
@@ -343,6 +346,7 @@ def distribute(url: str, *, shard_count: int = 32) -> bool:
         for table in REFERENCE_TABLES:
             if table in present:
                 conn.execute("SELECT create_reference_table(%s)", (table,))
+        delegated.install(conn)
     return True
 
 

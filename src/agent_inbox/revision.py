@@ -13,7 +13,8 @@ import logging
 
 import psycopg
 
-from agent_inbox import db, errors
+from agent_inbox import citus, db, errors
+from agent_inbox.store import delegated
 
 log = logging.getLogger("agent_inbox.revision")
 
@@ -23,21 +24,39 @@ HEAD = KNOWN[-1]
 
 def current_revision(url: str, *, pooler: str = "none") -> str | None:
     """The database's Alembic revision; None for a database never migrated."""
+    return _read(url, pooler, _revision)
+
+
+def _read(url: str, pooler: str, read):
     try:
         with psycopg.connect(url, autocommit=True, connect_timeout=10,
                              **db.connect_options(pooler)) as conn:
-            if conn.execute("SELECT to_regclass('alembic_version')").fetchone()[0] is None:
-                return None
-            row = conn.execute("SELECT version_num FROM alembic_version").fetchone()
+            return read(conn)
     except psycopg.OperationalError as exc:
         raise errors.DatabaseUnavailable(f"could not reach the database: {exc}") from None
+
+
+def _revision(conn: psycopg.Connection) -> str | None:
+    if conn.execute("SELECT to_regclass('alembic_version')").fetchone()[0] is None:
+        return None
+    row = conn.execute("SELECT version_num FROM alembic_version").fetchone()
     return row[0] if row else None
+
+
+def _lacks_citus_functions(conn: psycopg.Connection) -> bool:
+    """On a Citus coordinator laid out by an older `migrate --citus`: whether
+    the run path's functions (store/delegated.py) are missing."""
+    return citus.is_distributed(conn) and not delegated.installed(conn)
 
 
 def require_head(url: str, *, pooler: str = "none") -> None:
     """Refuse to run services against a schema older than this code needs."""
     current = current_revision(url, pooler=pooler)
     if current == HEAD:
+        if _read(url, pooler, _lacks_citus_functions):
+            raise errors.SchemaNotAtHead(
+                "this Citus database lacks the run path's functions of this agent-inbox: "
+                "run `agent-inbox migrate --citus` first")
         return
     if current is None or current in KNOWN:
         raise errors.SchemaNotAtHead(

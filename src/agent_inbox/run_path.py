@@ -24,12 +24,14 @@ every run-path transaction locks the lease rows it is about first, and a
 finish commits only behind its run's fence.
 """
 
+import contextlib
 from collections.abc import Callable
 from typing import Any, Protocol
 
 from agent_inbox import citus, db, errors
 from agent_inbox.records import ClaimPolicy
-from agent_inbox.store import admin, approvals, bucketed, inbox, lease, outbox, steps, timers
+from agent_inbox.store import (admin, approvals, bucketed, delegated, inbox, lease, outbox, steps,
+                               timers)
 
 # Why a call left a node's users alone without asking it (citus.NodeMap.hung).
 HUNG = "their worker node timed out a moment ago (set aside for a while)"
@@ -263,19 +265,19 @@ class PerBucket:
 
     def take(self, holder, users, ttl, policy, now):
         """The buckets with due wakes, longest waiting first (read per node, no
-        lock), each taken from in a transaction of its own until `users` are
-        taken. A take whose commit failed may have taken runs unseen, as
-        anywhere: the caller gives back orphans."""
+        lock), each taken from in one call on its node (store/delegated.py: a
+        transaction of its own) until `users` are taken. A take whose commit
+        failed may have taken runs unseen, as anywhere: the caller gives back
+        orphans."""
         taken: list[Taken] = []
         failures: list[Exception] = []
         with db.connection(self._pool) as conn:
             for bucket in bucketed.due_buckets(conn, self._nodes, now):
                 if conn.closed:  # cut under a read of a node that hangs
                     break
-                with citus.node_may_fail(conn, failures, self._nodes, [bucket]), \
-                        conn.transaction():
-                    got = bucketed.take(conn, bucket, holder, ttl, policy, now,
-                                        users - len(taken))
+                with citus.node_may_fail(conn, failures, self._nodes, [bucket]):
+                    got = delegated.take(conn, bucket, holder, ttl, policy, now,
+                                         users - len(taken))
                 if failures:
                     break
                 taken += got
@@ -316,14 +318,15 @@ class PerBucket:
         return bucketed.held_by(conn, self._nodes, holder, now)
 
     def finish_one(self, finish, now):
-        with db.transaction(self._pool) as conn:
-            return bucketed.finish(conn, finish, now, release=False)
+        with db.connection(self._pool) as conn:  # one call: a transaction of its own
+            return delegated.finish(conn, finish, now, release=False)
 
     def finish_many(self, finishes, release, now, writes_timers, write_timers):
-        """Each run's finish in a transaction of its own (one node). A run whose
-        node does not answer (or that deadlocks) commits nothing and the others
-        commit: PartlyDone, whose `done` has a flag per finish, None where
-        nothing was committed."""
+        """Each run's finish in a transaction of its own (one node): one call
+        (store/delegated.py), with the run's timers in the same transaction if
+        it writes any. A run whose node does not answer (or that deadlocks)
+        commits nothing and the others commit: PartlyDone, whose `done` has a
+        flag per finish, None where nothing was committed."""
         flags: list[bool | None] = []
         failures: list[Exception] = []
         with db.Connections(self._pool) as conns:
@@ -335,8 +338,8 @@ class PerBucket:
                     continue
                 failed = len(failures)
                 with citus.node_may_fail(conn, failures, self._nodes, [bucket]), \
-                        conn.transaction():
-                    accepted = bucketed.finish(conn, finish, now, release=release)
+                        (conn.transaction() if writes_timers[i] else contextlib.nullcontext()):
+                    accepted = delegated.finish(conn, finish, now, release=release)
                     if accepted and writes_timers[i]:
                         write_timers(conn, i)
                 flags.append(None if len(failures) > failed else accepted)  # committed, or not

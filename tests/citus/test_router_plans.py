@@ -1,8 +1,8 @@
-"""Every statement of the run path, sent as the Citus code path sends it (the
-take and finish of store/bucketed.py, the single-user statements through
-citus.route), is planned by Citus as a router query: one task, on
-one node, no distributed subplan pulled through the coordinator (a value the
-coordinator computes, the clock, is allowed). A new
+"""Every statement of the run path, sent as the Citus code path sends it (those
+the take and finish functions run on a node, store/delegated.py; the
+single-user statements through citus.route), is planned by Citus as a router
+query: one task, on one node, no distributed subplan pulled through the
+coordinator (a value the coordinator computes, the clock, is allowed). A new
 statement on that path that fans out, or that the routing rules miss, fails
 here."""
 

@@ -239,7 +239,7 @@ def test_a_finish_does_not_cut_a_failed_batchs_backoff_short(database_url, make_
     assert len(attempts) == 1, (attempts, [(m.body, m.failed_at) for m in inbox.outbox("u")])
     assert delivery(database_url, "u")["due_at"] == backoff_ends
     dispatcher.run_once(now=backoff_ends)      # then the failed batch goes again, first
-    assert attempts == ["u:1", "u:1"]
+    assert len(attempts) == 2 and attempts[1] == attempts[0]
 
 
 def test_an_operator_retry_does_not_send_a_second_batch_inside_the_gap(make_inbox, inbox):

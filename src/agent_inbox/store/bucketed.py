@@ -1,6 +1,8 @@
 """The Citus code path: every statement here is one router query (one shard,
 one node, planned and run there in one piece, with one snapshot), and every
-transaction it makes is on one node.
+transaction it makes is on one node. The take's and the finish's statements
+run inside functions on the bucket's node (store/delegated.py: one call each);
+the others are sent from the coordinator.
 
 Citus runs a statement in one piece only if every distributed table it
 touches is filtered by one bucket and it holds no INSERT ... SELECT (run in
@@ -50,10 +52,9 @@ here is about one bucket, on one node.
 import json
 
 from agent_inbox import citus
-from agent_inbox.records import ClaimPolicy, Event
-from agent_inbox.store import approvals, inbox, lease, memory, notify, steps, timers
+from agent_inbox.store import approvals, inbox, notify, steps, timers
 from agent_inbox.store.clock import DB_CLOCK, NOW
-from agent_inbox.store.inbox import CLAIM_STEPS, LOOK, Finish
+from agent_inbox.store.inbox import CLAIM_STEPS, LOOK
 
 # An open event of the user `w.user_id` (in the bucket) is claimable now.
 _CLAIMABLE = f"""EXISTS (SELECT 1 FROM events e
@@ -161,40 +162,6 @@ def due_buckets(conn, nodes: citus.NodeMap, now: int | None) -> list[int]:
     return _due(conn, nodes, DUE_BUCKETS, now)
 
 
-def take(conn, bucket: int, holder: str, ttl: int, policy: ClaimPolicy, now: int | None,
-         users: int) -> list[tuple]:
-    """TAKE_WORK in one bucket, in the caller's transaction: read_taken's rows
-    (user, gen, claimed_at, died, unfinished, memory, events), longest waiting first."""
-    params = {"bucket": bucket, "now": now, "users": users}
-    picked = conn.execute(PICK, params).fetchall()
-    if len(picked) >= users:
-        _, at, wake_id = picked[-1]
-        reach = {"at": at, "id": wake_id}
-    else:  # every due wake was read
-        reach = {"at": conn.execute(f"SELECT greatest({NOW}, {DB_CLOCK})", params).fetchone()[0],
-                 "id": 2 ** 63 - 1}
-    stale = conn.execute(STALE, {**params, **reach}).fetchall()
-    order = list(dict.fromkeys(user for user, _, _ in picked))
-    read = [(user, wake_id) for user, _, wake_id in picked] + [(u, w) for u, w, _ in stale]
-    taken = conn.execute(TOOK, {
-        **params, "holder": holder, "ttl": ttl, "users": order,
-        "read_users": [u for u, _ in read], "read_ids": [w for _, w in read]}).fetchall()
-    next_wakes = [(user, until + 1) for user, _, until, _ in taken]
-    next_wakes += sorted({(user, at) for user, _, at in stale if at is not None})
-    for user, at in next_wakes:
-        conn.execute(WAKE, {"bucket": bucket, "user": user, "at": at})
-    gens = {user: (gen, claimed_at) for user, gen, _, claimed_at in taken}
-    runs = []
-    for user in order:
-        gen, claimed_at = gens[user]
-        rows = conn.execute(CLAIM_TALLY, {"user": user, "holder": holder, "gen": gen,
-                                          "now": now, **policy.params()}).fetchall()
-        died, unfinished, doc = rows[0][:3]
-        events = [Event(*row[3:]) for row in rows if row[3] is not None]
-        runs.append((user, gen, claimed_at, died, unfinished, doc, events))
-    return runs
-
-
 # FINISH's fence for one run, and what it writes in the run's own snapshot:
 # the events closed and, in FENCE_RELEASE, the lease released and the user's
 # wakes deleted (the next wake is decided after, see the module's docstring).
@@ -262,37 +229,6 @@ SELECT EXISTS (SELECT 1 FROM events e
                 WHERE e.bucket = %(bucket)s AND e.user_id = %(user)s
                   AND e.status IN ('pending', 'running'))
 """
-
-
-def finish(conn, f: Finish, now: int | None, *, release: bool) -> bool:
-    """One run's fenced finish in the caller's transaction, after its lease row
-    is locked. False (nothing written) if the fence refuses."""
-    lease.lock(conn, f.user)
-    bucket = citus.bucket(f.user)
-    params = {"bucket": bucket, "user": f.user, "holder": f.holder, "gen": f.gen,
-              "ids": f.ids, "error": f.error, "now": now}
-    [ok] = conn.execute(FENCE_RELEASE if release else FENCE, params).fetchone()
-    if not ok:
-        return False
-    if f.error is None and f.forget_steps:
-        conn.execute(steps.FORGET, params)
-    if f.error is None and f.memory is not None:
-        memory.replace(conn, f.user, f.memory[0], f.holder, f.gen, now)
-    if f.error is None and f.messages:
-        for body, urgent in f.messages:
-            conn.execute(QUEUE, {**params, "body": body, "urgent": urgent,
-                                 "traceparent": f.traceparent})
-        conn.execute(PACED, params)
-        conn.execute(f"SELECT pg_notify('{notify.OUTBOX}', '')")
-    if release:
-        [left] = conn.execute(WORK_LEFT, params).fetchone()
-        if f.error is not None or left:
-            conn.execute(WAKE, {"bucket": bucket, "user": f.user, "at": _now(conn, now)})
-    return True
-
-
-def _now(conn, now: int | None) -> int:
-    return now if now is not None else conn.execute(f"SELECT {DB_CLOCK}").fetchone()[0]
 
 
 # --- delivery ------------------------------------------------------------------
