@@ -9,7 +9,10 @@ database copied from a migrated template, dropped after; `inbox` and
 
 `citus_cluster` (session) is the one Citus cluster of the session (a
 coordinator and two worker nodes), shared by tests/citus and the contract
-suite's citus backend (tests/contract), started by the first test that asks.
+suite's citus backend (tests/contract), started by the first test that asks;
+`citus_database` is the session's one distributed database on it, emptied for
+each test (migrating and laying out a database takes 10-20 s; emptying one,
+about a second).
 """
 
 import pytest
@@ -31,6 +34,32 @@ def citus_cluster():
 
     with started_cluster() as cluster:
         yield cluster
+
+
+@pytest.fixture(scope="session")
+def citus_session_database(citus_cluster):
+    """The URL of the session's one database on `citus_cluster`, migrated and
+    laid out once as `migrate --citus` does (tests/citus/support.py,
+    distributed_database); removed with the cluster. Tests take it through
+    `citus_database`, emptied."""
+    from tests.citus.support import distributed_database, require_empty
+
+    url = distributed_database(citus_cluster)
+    require_empty(url)
+    return url
+
+
+@pytest.fixture
+def citus_database(citus_session_database):
+    """The session's distributed database as a freshly migrated and laid out
+    one is: emptied (tests/citus/support.py, empty). Emptied as the test starts,
+    not as the one before ends: by then every fixture of that test has stopped
+    what it started (worker and service processes, pools), whereas at a test's
+    end the fixtures set up before this one (spawn, ...) are still running."""
+    from tests.citus.support import empty
+
+    empty(citus_session_database)
+    return citus_session_database
 
 
 @pytest.fixture(scope="session")

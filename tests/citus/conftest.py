@@ -4,9 +4,13 @@ binaries (pgserver.CitusCluster): tests/conftest.py's `citus_cluster`, started
 once per session and shared with the contract suite's citus backend.
 
 Skipped, saying why, only where the Citus extension is not installed
-(tests/setup-deps.sh installs it from ../shared/citus/). Each test gets a fresh database on every
-node, migrated with `migrate --citus`'s steps (the ordinary migrations, then
-citus.distribute). `inbox` and `make_inbox` override tests/conftest.py's.
+(tests/setup-deps.sh installs it from ../shared/citus/). Each test gets the
+session's one distributed database (tests/conftest.py's `citus_database`:
+migrated with `migrate --citus`'s steps, the ordinary migrations then
+citus.distribute, once), emptied for it. A test that needs a database of its
+own says so with `fresh_citus_database` (on whichever `citus_cluster` it
+sees), and one that lays a database out itself makes its own. `inbox` and
+`make_inbox` override tests/conftest.py's.
 Tests that hold on every backend belong in tests/contract, not here.
 """
 
@@ -19,7 +23,15 @@ from tests.citus.support import distributed_database
 
 
 @pytest.fixture
-def database_url(citus_cluster):
+def database_url(citus_database):
+    return citus_database
+
+
+@pytest.fixture
+def fresh_citus_database(citus_cluster):
+    """A database of this test's own on `citus_cluster`, migrated and laid out
+    (10-20 s), dropped after the test: for tests whose aftermath emptying does
+    not undo, as a node stopped or hung in the middle of their runs."""
     url = distributed_database(citus_cluster)
     yield url
     citus_cluster.drop_database(url)

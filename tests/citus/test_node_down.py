@@ -34,9 +34,18 @@ SELECT n.nodeport, array_agg(b ORDER BY b)
 @pytest.fixture(scope="module")
 def citus_cluster():
     """This module's own cluster, in place of the session's: a test here stops a
-    node (conftest's `database_url` lays its databases out on this one)."""
+    node (conftest's `fresh_citus_database` lays its databases out on this one)."""
     with started_cluster() as cluster:
         yield cluster
+
+
+@pytest.fixture
+def database_url(fresh_citus_database):
+    """A database of each test's own on this module's cluster (the session's
+    emptied one is on the session's cluster), as a node is stopped while runs
+    are in flight here: what that leaves (transactions prepared on a node,
+    rows of runs cut short) stays with the test."""
+    return fresh_citus_database
 
 
 @pytest.fixture

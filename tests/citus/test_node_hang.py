@@ -72,6 +72,15 @@ def citus_cluster():
 
 
 @pytest.fixture
+def database_url(fresh_citus_database):
+    """A database of each test's own on this module's cluster (the session's
+    emptied one is on the session's cluster), as a node's processes are
+    stopped while runs are in flight here: what that leaves (transactions
+    prepared on a node, rows of runs cut short) stays with the test."""
+    return fresh_citus_database
+
+
+@pytest.fixture
 def cluster(citus_cluster, database_url):
     yield citus_cluster
     for node in citus_cluster.workers:
