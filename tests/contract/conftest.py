@@ -6,9 +6,10 @@ list to edit.
 - "plain": the test server (tests/conftest.py), a fresh migrated database;
 - "pgbouncer": the same, with every Inbox reaching it through a PgBouncer in
   `pool_mode = transaction` (tests/pgbouncer.py) and pooler="transaction";
-- "citus": a fresh database on the session's one Citus cluster (tests/conftest.py's
-  `citus_cluster`: a coordinator and two worker nodes), migrated and laid out as
-  `migrate --citus` does.
+- "citus": the session's one database on the session's one Citus cluster
+  (tests/conftest.py's `citus_database` on `citus_cluster`: a coordinator and
+  two worker nodes), migrated and laid out as `migrate --citus` does, once, and
+  emptied for each test.
 
 Each param carries a marker, so `-m backend_plain`, `-m "not backend_citus"`
 pick. A backend whose component is missing (no pgbouncer binary, no Citus
@@ -91,14 +92,8 @@ def backend(request):
 @pytest.fixture
 def direct_url(backend, request):
     if backend == "citus":
-        from tests.citus.support import distributed_database
-
-        cluster = request.getfixturevalue("citus_cluster")
-        url = distributed_database(cluster)
-        yield url
-        cluster.drop_database(url)
-    else:
-        yield request.getfixturevalue("agent_inbox_database")
+        return request.getfixturevalue("citus_database")
+    return request.getfixturevalue("agent_inbox_database")
 
 
 @pytest.fixture
