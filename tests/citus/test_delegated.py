@@ -55,7 +55,9 @@ def test_a_take_and_a_finish_are_one_call_each_on_the_buckets_node(database_url,
 
 
 def test_migrate_citus_installs_the_functions_and_a_worker_refuses_a_layout_without_them(
-        database_url):
+        fresh_citus_database):
+    """On a database of its own: it drops a function the session's shares."""
+    database_url = fresh_citus_database
     with psycopg.connect(database_url, autocommit=True) as conn:
         assert delegated.installed(conn)
         assert not delegated.install(conn)  # the same bodies: left as they are
