@@ -26,8 +26,8 @@ registered (one event each, drained, VACUUM ANALYZE), then for --minutes:
   and the horizon's age (horizon.read: what the worker's check sees).
 
 With --explain, in each side's last window (ingest and workers running, the
-transaction still held): EXPLAIN (ANALYZE, BUFFERS) of a take (TAKE_WORK), a claim (CLAIM) and a
-finish with release (FINISH) of the user it took, in a transaction rolled back,
+transaction still held): EXPLAIN (ANALYZE, BUFFERS) of a claim (CLAIM) and a finish with release
+(FINISH) of a user taken first, then of a take (TAKE_WORK), rolled back,
 and per index of events, leases and wakes the tuples read per scan over the
 measured minutes (pg_stat_user_indexes) with the tables' dead tuples, appended
 to that file: where a held horizon's cost grows.
@@ -211,30 +211,30 @@ class Explaining:
 
 
 def explain_run_path(url: str, side: str, at_start: dict, path: str) -> None:
-    """Appends to `path` the plans of a take, a claim and a finish as they run now,
-    in a transaction rolled back, and each index's tuples read per scan since
-    `at_start`."""
+    """Appends to `path` the plans, as they run now, of a claim and a finish with
+    release of one user taken first, then of a take, all in a transaction rolled
+    back, and each index's tuples read per scan since `at_start`."""
     policy = ClaimPolicy()
     take = {"holder": "soak-explain", "ttl": 60, "now": None, "users": EXPLAIN_USERS,
             **policy.params()}
     lines = [f"==== {side}: {time.strftime('%Y-%m-%d %H:%M:%S')}"]
     with psycopg.connect(url, application_name="bench-explain") as conn:
-        plan = conn.execute(EXPLAIN + inbox_sql.TAKE_WORK, take).fetchall()
-        lines += ["-- TAKE_WORK (users=%d)" % EXPLAIN_USERS, *(r[0] for r in plan)]
-        taken = inbox_sql.take_work(conn, "soak-explain-2", 60, policy, None, 1)
+        taken = inbox_sql.take_work(conn, "soak-explain-1", 60, policy, None, 1)
         if taken:
             user, gen, _, _, _, _, events = taken[0]
-            claim = {"user": user, "holder": "soak-explain-2", "gen": gen, "now": None,
+            claim = {"user": user, "holder": "soak-explain-1", "gen": gen, "now": None,
                      **policy.params()}
             plan = conn.execute(EXPLAIN + inbox_sql.CLAIM, claim).fetchall()
-            lines += [f"-- CLAIM (user {user}, after the take claimed {len(events)})",
+            lines += [f"-- CLAIM (user {user}, after a take claimed {len(events)})",
                       *(r[0] for r in plan)]
             conn.execute(lease_sql.LOCK_MANY, {"users": [user]})
-            finish = inbox_sql.Finish(user, "soak-explain-2", gen, [e.id for e in events], [], None)
+            finish = inbox_sql.Finish(user, "soak-explain-1", gen, [e.id for e in events], [], None)
             plan = inbox_sql.send_finish(Explaining(conn), [finish], None, release=True).fetchall()
             lines += [f"-- FINISH with release ({len(events)} events)", *(r[0] for r in plan)]
         else:
             lines.append("-- (no user to take: CLAIM and FINISH not explained)")
+        plan = conn.execute(EXPLAIN + inbox_sql.TAKE_WORK, take).fetchall()
+        lines += ["-- TAKE_WORK (users=%d)" % EXPLAIN_USERS, *(r[0] for r in plan)]
         conn.rollback()
         dead = conn.execute(STATS, (list(TABLES),)).fetchall()
     lines.append("-- dead tuples: " + ", ".join(f"{name} {d}" for name, _, d, *_ in dead))
