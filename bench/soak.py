@@ -5,6 +5,7 @@ inbox down").
     .venv/bin/python -m bench.soak [--minutes 6] [--hold-at 1] [--rate 400] [--users 5000]
                                    [--workers 2] [--concurrency 32] [--reps 1]
                                    [--explain bench/results/soak_explain.txt]
+                                   [--auto-explain-ms 50]
 
 Each side (`baseline`, `held`) runs on a throwaway cluster of its own
 (pgserver.TemporaryCluster, the same settings both sides: a held transaction
@@ -249,11 +250,22 @@ def explain_run_path(url: str, side: str, at_start: dict, path: str) -> None:
         f.write("\n".join(lines) + "\n")
 
 
+def auto_explain_settings(min_ms: int) -> dict:
+    """Server settings that log the plan of every statement slower than `min_ms`
+    as it ran (the workers' own, generic plans included), with buffers."""
+    return {"session_preload_libraries": "auto_explain",
+            "auto_explain.log_min_duration": f"{min_ms}ms", "auto_explain.log_analyze": "on",
+            "auto_explain.log_buffers": "on", "auto_explain.log_timing": "off"}
+
+
 def run_side(side: str, args) -> dict:
     scratch = tempfile.mkdtemp(prefix=f"bench-soak-{side}-")
     record_dir = os.path.join(scratch, "records")
     os.mkdir(record_dir)
-    cluster = pgserver.TemporaryCluster(settings=SETTINGS).start()
+    settings = dict(SETTINGS)
+    if args.auto_explain_ms is not None:
+        settings.update(auto_explain_settings(args.auto_explain_ms))
+    cluster = pgserver.TemporaryCluster(settings=settings).start()
     holder = Holder(cluster.url)
     workers = Workers("ours", cluster.url, args.workers, args.concurrency, 1.0, record_dir,
                       scratch, handler="bench.handlers:soak")
@@ -292,6 +304,8 @@ def run_side(side: str, args) -> dict:
     finally:
         holder.release()
         stop_processes(workers.procs)
+        if args.auto_explain_ms is not None:
+            shutil.copy(cluster.log, f"{args.out.removesuffix('.json')}_{side}_server.log")
         cluster.stop()
         if not args.keep:
             shutil.rmtree(scratch, ignore_errors=True)
@@ -387,6 +401,9 @@ def main(argv=None) -> int:
     parser.add_argument("--sides", default="baseline,held")
     parser.add_argument("--out", default=str(RESULTS / "soak.json"))
     parser.add_argument("--explain", help="append the run path's plans at each side's end here")
+    parser.add_argument("--auto-explain-ms", type=int,
+                        help="log the plans of statements slower than this (auto_explain); "
+                             "each side's server log is kept beside --out")
     parser.add_argument("--keep", action="store_true", help="keep the worker logs and records")
     args = parser.parse_args(argv)
     sides = args.sides.split(",")
