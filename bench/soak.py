@@ -4,6 +4,8 @@ inbox down").
 
     .venv/bin/python -m bench.soak [--minutes 6] [--hold-at 1] [--rate 400] [--users 5000]
                                    [--workers 2] [--concurrency 32] [--reps 1]
+                                   [--explain bench/results/soak_explain.txt]
+                                   [--auto-explain-ms 50]
 
 Each side (`baseline`, `held`) runs on a throwaway cluster of its own
 (pgserver.TemporaryCluster, the same settings both sides: a held transaction
@@ -23,6 +25,13 @@ registered (one event each, drained, VACUUM ANALYZE), then for --minutes:
 - every 15 s a sampler reads the backlog (open events), the oldest pending
   event's age, the dead and live tuples and the size of events, leases and wakes,
   and the horizon's age (horizon.read: what the worker's check sees).
+
+With --explain, in each side's last window (ingest and workers running, the
+transaction still held): EXPLAIN (ANALYZE, BUFFERS) of a claim (CLAIM) and a finish with release
+(FINISH) of a user taken first, then of a take (TAKE_WORK), rolled back,
+and per index of events, leases and wakes the tuples read per scan over the
+measured minutes (pg_stat_user_indexes) with the tables' dead tuples, appended
+to that file: where a held horizon's cost grows.
 
 Per 15 s window: events ingested, events handled (runs started in the window),
 lag p50/p99 of the events handled in it, backlog and dead tuples at its end.
@@ -44,6 +53,8 @@ import time
 import psycopg
 
 from agent_inbox import Inbox, horizon, migrate, pgserver
+from agent_inbox.records import ClaimPolicy
+from agent_inbox.store import inbox as inbox_sql, lease as lease_sql
 from bench import records
 from bench.common import RESULTS, Workers, percentile, src_fingerprint, stop_processes
 
@@ -65,6 +76,12 @@ SELECT relname, n_live_tup, n_dead_tup, pg_total_relation_size(relid),
        autovacuum_count, extract(epoch FROM now() - last_autovacuum)::float8
   FROM pg_stat_user_tables WHERE relname = ANY(%s)
 """
+INDEX_STATS = """
+SELECT relname, indexrelname, idx_scan, idx_tup_read, idx_tup_fetch
+  FROM pg_stat_user_indexes WHERE relname = ANY(%s) ORDER BY relname, indexrelname
+"""
+EXPLAIN = "EXPLAIN (ANALYZE, BUFFERS, COSTS OFF, TIMING OFF) "
+EXPLAIN_USERS = 32  # users the explained take asks for (a worker's takes ask for its free places)
 
 
 class Ingester(threading.Thread):
@@ -178,11 +195,77 @@ def register_users(url: str, users: int, workers: Workers) -> None:
             conn.execute(f"VACUUM ANALYZE {table}")
 
 
+def index_stats(url: str) -> dict:
+    with psycopg.connect(url, autocommit=True, application_name="bench-sampler") as conn:
+        return {(table, index): (scans, read, fetched)
+                for table, index, scans, read, fetched in conn.execute(INDEX_STATS, (list(TABLES),))}
+
+
+class Explaining:
+    """A connection whose statements are explained (run, their plans answered)."""
+
+    def __init__(self, conn):
+        self.conn = conn
+
+    def execute(self, query, params):
+        return self.conn.execute(EXPLAIN + query, params)
+
+
+def explain_run_path(url: str, side: str, at_start: dict, path: str) -> None:
+    """Appends to `path` the plans, as they run now, of a claim and a finish with
+    release of one user taken first, then of a take, all in a transaction rolled
+    back, and each index's tuples read per scan since `at_start`."""
+    policy = ClaimPolicy()
+    take = {"holder": "soak-explain", "ttl": 60, "now": None, "users": EXPLAIN_USERS,
+            **policy.params()}
+    lines = [f"==== {side}: {time.strftime('%Y-%m-%d %H:%M:%S')}"]
+    with psycopg.connect(url, application_name="bench-explain") as conn:
+        taken = inbox_sql.take_work(conn, "soak-explain-1", 60, policy, None, 1)
+        if taken:
+            user, gen, _, _, _, _, events = taken[0]
+            claim = {"user": user, "holder": "soak-explain-1", "gen": gen, "now": None,
+                     **policy.params()}
+            plan = conn.execute(EXPLAIN + inbox_sql.CLAIM, claim).fetchall()
+            lines += [f"-- CLAIM (user {user}, after a take claimed {len(events)})",
+                      *(r[0] for r in plan)]
+            conn.execute(lease_sql.LOCK_MANY, {"users": [user]})
+            finish = inbox_sql.Finish(user, "soak-explain-1", gen, [e.id for e in events], [], None)
+            plan = inbox_sql.send_finish(Explaining(conn), [finish], None, release=True).fetchall()
+            lines += [f"-- FINISH with release ({len(events)} events)", *(r[0] for r in plan)]
+        else:
+            lines.append("-- (no user to take: CLAIM and FINISH not explained)")
+        plan = conn.execute(EXPLAIN + inbox_sql.TAKE_WORK, take).fetchall()
+        lines += ["-- TAKE_WORK (users=%d)" % EXPLAIN_USERS, *(r[0] for r in plan)]
+        conn.rollback()
+        dead = conn.execute(STATS, (list(TABLES),)).fetchall()
+    lines.append("-- dead tuples: " + ", ".join(f"{name} {d}" for name, _, d, *_ in dead))
+    lines.append(f"-- per index since the measured minutes began: {'scans':>10} "
+                 f"{'tuples read':>12} {'read/scan':>10}")
+    for (table, index), (scans, read, _) in index_stats(url).items():
+        scans0, read0, _ = at_start.get((table, index), (0, 0, 0))
+        n, r = scans - scans0, read - read0
+        lines.append(f"   {table + '.' + index:<44} {n:>10} {r:>12} "
+                     f"{(r / n if n else 0):>10.1f}")
+    with open(path, "a") as f:
+        f.write("\n".join(lines) + "\n")
+
+
+def auto_explain_settings(min_ms: int) -> dict:
+    """Server settings that log the plan of every statement slower than `min_ms`
+    as it ran (the workers' own, generic plans included), with buffers."""
+    return {"session_preload_libraries": "auto_explain",
+            "auto_explain.log_min_duration": f"{min_ms}ms", "auto_explain.log_analyze": "on",
+            "auto_explain.log_buffers": "on", "auto_explain.log_timing": "off"}
+
+
 def run_side(side: str, args) -> dict:
     scratch = tempfile.mkdtemp(prefix=f"bench-soak-{side}-")
     record_dir = os.path.join(scratch, "records")
     os.mkdir(record_dir)
-    cluster = pgserver.TemporaryCluster(settings=SETTINGS).start()
+    settings = dict(SETTINGS)
+    if args.auto_explain_ms is not None:
+        settings.update(auto_explain_settings(args.auto_explain_ms))
+    cluster = pgserver.TemporaryCluster(settings=settings).start()
     holder = Holder(cluster.url)
     workers = Workers("ours", cluster.url, args.workers, args.concurrency, 1.0, record_dir,
                       scratch, handler="bench.handlers:soak")
@@ -191,6 +274,7 @@ def run_side(side: str, args) -> dict:
         workers.start()
         workers.wait_listening()
         register_users(cluster.url, args.users, workers)  # its runs start before `start`
+        at_start = index_stats(cluster.url)
         windows = int(args.minutes * 60 / WINDOW)
         start = time.time() + 1.0
         until = start + windows * WINDOW
@@ -198,10 +282,17 @@ def run_side(side: str, args) -> dict:
         sampler = Sampler(cluster.url, start, windows)
         if side == "held":
             threading.Timer(start + args.hold_at * 60 - time.time(), holder.hold).start()
+        explainer = None
+        if args.explain:
+            explainer = threading.Timer(until - WINDOW / 2 - time.time(), explain_run_path,
+                                        (cluster.url, side, at_start, args.explain))
+            explainer.start()
         ingester.start()
         sampler.start()
         ingester.join(windows * WINDOW + 120)
         sampler.join(WINDOW * 2 + 60)
+        if explainer is not None:
+            explainer.join(120)
         alive = workers.alive()
         workers.stop()
         horizon_warnings = [line.strip() for n in range(args.workers)
@@ -213,6 +304,8 @@ def run_side(side: str, args) -> dict:
     finally:
         holder.release()
         stop_processes(workers.procs)
+        if args.auto_explain_ms is not None:
+            shutil.copy(cluster.log, f"{args.out.removesuffix('.json')}_{side}_server.log")
         cluster.stop()
         if not args.keep:
             shutil.rmtree(scratch, ignore_errors=True)
@@ -307,6 +400,10 @@ def main(argv=None) -> int:
     parser.add_argument("--reps", type=int, default=1)
     parser.add_argument("--sides", default="baseline,held")
     parser.add_argument("--out", default=str(RESULTS / "soak.json"))
+    parser.add_argument("--explain", help="append the run path's plans at each side's end here")
+    parser.add_argument("--auto-explain-ms", type=int,
+                        help="log the plans of statements slower than this (auto_explain); "
+                             "each side's server log is kept beside --out")
     parser.add_argument("--keep", action="store_true", help="keep the worker logs and records")
     args = parser.parse_args(argv)
     sides = args.sides.split(",")

@@ -352,8 +352,12 @@ WITH clock AS (
       FROM mine JOIN verdict ON verdict.n = mine.n
      WHERE verdict.ok AND e.ctid = mine.version
        -- rechecked on the row as written: PostgreSQL 15 does not recheck a
-       -- ctid when a concurrent change makes it re-read the row
-       AND e.status = 'running' AND e.claim_gen = mine.gen
+       -- ctid when a concurrent change makes it re-read the row. A CASE, so
+       -- that the rows are reached by TID only: a plain `e.status = 'running'`
+       -- implies ix_events_open's predicate, and a cached plan that had found
+       -- that index tiny read it whole (every open row version of every user)
+       -- for each finish, ~40,000 pages once a held horizon kept them all
+       AND CASE WHEN e.status = 'running' THEN e.claim_gen = mine.gen ELSE false END
 ), forgot AS (  -- a successful run's durable steps go with it (store/steps.py, FORGET)
     DELETE FROM steps s USING verdict
      WHERE verdict.ok AND verdict.forget AND verdict.error IS NULL
