@@ -216,7 +216,7 @@ TAKE_CALL = "SELECT * FROM agent_inbox_take(%s, %s, %s, %s, %s, %s, %s, %s, %s)"
 
 def take(conn, bucket: int, holder: str, ttl: int, policy: ClaimPolicy, now: int | None,
          users: int) -> list[tuple]:
-    """bucketed.take in one call on the bucket's node: read_taken's rows (user,
+    """TAKE_WORK in one bucket, in one call on its node: read_taken's rows (user,
     gen, claimed_at, died, unfinished, memory, events), longest waiting first."""
     p = policy.params()
     rows = conn.execute(TAKE_CALL, (bucket, holder, ttl, users, now, p["max_attempts"],
