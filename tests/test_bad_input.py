@@ -88,6 +88,16 @@ CASES = {
     "answer Yes": (lambda ib: ib.answer_approval("u", "r", "Yes", now=T), InvalidAnswer, "'yes' or 'no'"),
     "send not callable": (lambda ib: ib.dispatch("u", None, now=T), InvalidInput, "send must be callable"),
     "status unknown": (lambda ib: ib.events("u", status="finished"), InvalidInput, "status must be one of"),
+    "repair pairs a string": (lambda ib: ib.repair_dead("u", requeue=True, actor="ops"),
+                              InvalidInput, "pairs must be a list"),
+    "repair pair of one": (lambda ib: ib.repair_dead([("u",)], requeue=True, actor="ops"),
+                           InvalidInput, "pairs[0] must be a (user, event id) pair"),
+    "repair id a string": (lambda ib: ib.repair_dead([("u", "7")], requeue=False, actor="ops"),
+                           InvalidInput, "pairs[0] id must be a positive integer"),
+    "repair no actor": (lambda ib: ib.repair_dead([("u", 7)], requeue=True, actor=""),
+                        InvalidInput, "actor must not be empty"),
+    "repair batches a string": (lambda ib: ib.repair_failed_batches("7", retry=True, actor="ops"),
+                                InvalidInput, "batches must be a list"),
 }
 
 

@@ -21,7 +21,7 @@ chose it.
 
 Revision ID: 0009
 Revises: 0008
-Create Date: 2027-01-12
+Create Date: 2026-12-04
 """
 
 import sqlalchemy as sa

@@ -243,12 +243,16 @@ class Inbox(Runs, Scheduling, Delivery, Permissions):
         transaction, each recorded in operator_actions, and their durable steps
         deleted; the rows repaired, as they were. Events no longer dead are left
         alone."""
-        pairs = [(validate.text("user", user), validate.positive_int("id", event_id))
-                 for user, event_id in pairs]
+        checked = []
+        for n, pair in enumerate(validate.sequence("pairs", pairs)):
+            if not isinstance(pair, (tuple, list)) or len(pair) != 2:
+                raise errors.InvalidInput(f"pairs[{n}]", pair, "must be a (user, event id) pair")
+            checked.append((validate.text(f"pairs[{n}] user", pair[0]),
+                            validate.positive_int(f"pairs[{n}] id", pair[1])))
         actor = validate.text("actor", actor)
         now = validate.optional_epoch("now", now)
         with db.transaction(self._pool) as conn:
-            return self._path.repair_dead(conn, pairs, requeue, actor, now)
+            return self._path.repair_dead(conn, checked, requeue, actor, now)
 
     def repair_failed_batches(self, batches: list[int], *, retry: bool, actor: str,
                               now: int | None = None) -> list[dict]:
