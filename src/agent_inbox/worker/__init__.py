@@ -48,6 +48,7 @@ from agent_inbox.result import Result
 from agent_inbox.service import Listener, Stop, Waker, backoff_delays
 from agent_inbox.store import notify
 from agent_inbox.app import as_app
+from agent_inbox.worker import compactor
 from agent_inbox.worker.completer import Completer, StepWork, WorkerJournal
 from agent_inbox.worker.flight import MOVES, Ending, Flights, InFlight, State
 from agent_inbox.worker.keeper import Keeper, rss_mib
@@ -189,6 +190,8 @@ class Worker:
         if self.horizon_warn:
             horizon.Checker.for_pool(self.inbox.pool, self.stop.event,
                                      warn_after=self.horizon_warn).start()
+        if compactor.INTERVAL > 0:
+            compactor.Compactor(self.inbox, self.stop.event).start()
         done = threading.Event()
         parts = [threading.Thread(target=self.completer.serve, args=(done,),
                                   name="agent-inbox-completer", daemon=True),
