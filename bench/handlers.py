@@ -92,7 +92,18 @@ async def agent_steps(batch, ctx):
 def soak(batch, ctx):
     """bench.soak's handler: a quick no-op that records, per run, its start and
     each event's lag (start minus the ingest time its payload carries: {"t": ...})."""
-    start = time.time()
+    _record_lag(batch, ctx, time.time())
+    return Result()
+
+
+async def soak_agent(batch, ctx):
+    """bench.soak --handler agent: W5's shape, an agent that waits AGENT_SLEEP
+    seconds on its model after recording its start and lag as `soak` does."""
+    _record_lag(batch, ctx, time.time())
+    await asyncio.sleep(AGENT_SLEEP)
+    return Result()
+
+
+def _record_lag(batch, ctx, start: float) -> None:
     records.write("soak", {"s": start, "u": ctx.user, "ids": [e.id for e in batch],
                            "l": [start - e.payload["t"] for e in batch]})
-    return Result()

@@ -19,7 +19,9 @@ registered (one event each, drained, VACUUM ANALYZE), then for --minutes:
 - --workers real `agent-inbox worker --concurrency C` processes run
   `bench.handlers:soak`, a no-op that appends one line per run (its start, the
   event ids, each event's lag = start - t) to a per-process file with one
-  os.write: nothing in the database is touched by the measurement;
+  os.write: nothing in the database is touched by the measurement (`--handler
+  agent`: `soak_agent`, the same record, then 1 s awaited: W5's shape, for
+  which --concurrency must cover rate x 1 s across the workers);
 - on the `held` side, from minute --hold-at to the end, a separate connection
   runs BEGIN; SELECT txid_current(); and then stays idle in its transaction;
 - every 15 s a sampler reads the backlog (open events), the oldest pending
@@ -59,6 +61,8 @@ from bench import records
 from bench.common import RESULTS, Workers, percentile, src_fingerprint, stop_processes
 
 WINDOW = 15.0
+# --handler: what each run does (bench/handlers.py)
+HANDLERS = {"quick": "bench.handlers:soak", "agent": "bench.handlers:soak_agent"}
 TICK = 0.25
 TABLES = ("events", "leases", "wakes")
 # The same for both sides. fsync off (durable=False): the measurement is about
@@ -268,7 +272,7 @@ def run_side(side: str, args) -> dict:
     cluster = pgserver.TemporaryCluster(settings=settings).start()
     holder = Holder(cluster.url)
     workers = Workers("ours", cluster.url, args.workers, args.concurrency, 1.0, record_dir,
-                      scratch, handler="bench.handlers:soak")
+                      scratch, handler=HANDLERS[args.handler])
     try:
         migrate.upgrade(cluster.url)
         workers.start()
@@ -398,6 +402,8 @@ def main(argv=None) -> int:
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--reps", type=int, default=1)
+    parser.add_argument("--handler", choices=sorted(HANDLERS), default="quick",
+                        help="quick: a no-op; agent: W5's shape, 1 s awaited per run")
     parser.add_argument("--sides", default="baseline,held")
     parser.add_argument("--out", default=str(RESULTS / "soak.json"))
     parser.add_argument("--explain", help="append the run path's plans at each side's end here")
