@@ -86,6 +86,8 @@ leases = sa.Table(
 # trigger, finish with release, release, hand-back, requeue); deleted by the
 # take that looked at the user (store/inbox.py, TAKE_WORK) and by a finish with
 # release. Only inserted and deleted: an ingest never waits on a wake's lock.
+# Workers rewrite the table without its dead row versions when they pile up
+# (store/wakes.py): a held xmin horizon must not slow finding work.
 wakes = sa.Table(
     "wakes",
     metadata,

@@ -52,15 +52,12 @@ here is about one bucket, on one node.
 import json
 
 from agent_inbox import citus
-from agent_inbox.store import approvals, inbox, notify, steps, timers
+from agent_inbox.store import approvals, inbox, lease, notify, steps, timers
 from agent_inbox.store.clock import DB_CLOCK, NOW
 from agent_inbox.store.inbox import CLAIM_STEPS, LOOK
 
 # An open event of the user `w.user_id` (in the bucket) is claimable now.
-_CLAIMABLE = f"""EXISTS (SELECT 1 FROM events e
-                WHERE e.bucket = %(bucket)s AND e.user_id = w.user_id
-                  AND e.status IN ('pending', 'running')
-                  AND (e.attempts = 0 OR e.available_at <= {NOW}))"""
+_CLAIMABLE = inbox.claimable("w.user_id", NOW, bucket="%(bucket)s")
 
 # Buckets with a due wake, and their oldest; read per node (citus.per_node).
 # Spans that node's shards; reads only, locks nothing.
@@ -99,7 +96,7 @@ SELECT w.user_id, w.id, l.next_at
        SELECT CASE WHEN l.until >= {NOW} THEN l.until + 1
                    ELSE (SELECT min(e.available_at) FROM events e
                           WHERE e.bucket = %(bucket)s AND e.user_id = w.user_id
-                            AND e.status IN ('pending', 'running')) END AS next_at
+                            AND {inbox.OPEN}) END AS next_at
          FROM leases l
         WHERE l.bucket = %(bucket)s AND l.user_id = w.user_id
           AND NOT (l.until < {NOW} AND {_CLAIMABLE})
@@ -136,8 +133,7 @@ CLAIM_TALLY = f"""
 WITH run AS (
     SELECT l.user_id, l.gen, clock.now
       FROM leases l, (SELECT {NOW} AS now) clock
-     WHERE l.user_id = %(user)s AND l.holder = %(holder)s
-       AND l.gen = %(gen)s AND l.until >= clock.now
+     WHERE l.user_id = %(user)s AND {lease.fenced("%(holder)s", "%(gen)s", "clock.now")}
 ), {CLAIM_STEPS}, tally AS (
     SELECT count(*) FILTER (WHERE status = 'dead') AS died,
            count(*) FILTER (WHERE status = 'running' AND old_status = 'running') AS unfinished
@@ -171,12 +167,12 @@ _FENCE_STEPS = f"""clock AS (
     SELECT {NOW} AS now
 ), lease AS (
     SELECT 1 FROM leases l, clock
-     WHERE l.bucket = %(bucket)s AND l.user_id = %(user)s AND l.holder = %(holder)s
-       AND l.gen = %(gen)s AND l.until >= clock.now
+     WHERE l.bucket = %(bucket)s AND l.user_id = %(user)s
+       AND {lease.fenced("%(holder)s", "%(gen)s", "clock.now")}
 ), mine AS (
     SELECT e.id FROM events e
      WHERE e.bucket = %(bucket)s AND e.user_id = %(user)s AND e.id = ANY(%(ids)s::bigint[])
-       AND e.status = 'running' AND e.claim_gen = %(gen)s
+       AND {lease.claimed_by("%(gen)s")}
 ), verdict AS (
     SELECT EXISTS (SELECT 1 FROM lease)
            AND (SELECT count(*) FROM mine) = cardinality(%(ids)s::bigint[]) AS ok
@@ -186,7 +182,7 @@ _FENCE_STEPS = f"""clock AS (
            error = %(error)s::text
       FROM verdict
      WHERE verdict.ok AND e.bucket = %(bucket)s AND e.user_id = %(user)s
-       AND e.id = ANY(%(ids)s::bigint[]) AND e.status = 'running' AND e.claim_gen = %(gen)s
+       AND e.id = ANY(%(ids)s::bigint[]) AND {lease.claimed_by("%(gen)s")}
 )"""
 
 FENCE = f"""
@@ -224,10 +220,9 @@ INSERT INTO deliveries AS d (bucket, user_id, due_at) VALUES (%(bucket)s, %(user
 # (its events go back) or other events are open (this transaction sees the
 # run's own events closed already: FINISH's one snapshot did not, hence its
 # OFFSET).
-WORK_LEFT = """
+WORK_LEFT = f"""
 SELECT EXISTS (SELECT 1 FROM events e
-                WHERE e.bucket = %(bucket)s AND e.user_id = %(user)s
-                  AND e.status IN ('pending', 'running'))
+                WHERE e.bucket = %(bucket)s AND e.user_id = %(user)s AND {inbox.OPEN})
 """
 
 
@@ -340,31 +335,29 @@ EXPIRE = f"""
 WITH clock AS (SELECT {NOW} AS now)
 UPDATE leases l SET until = clock.now - 1
   FROM clock
- WHERE l.bucket = %(bucket)s AND l.user_id = %(user)s AND l.holder = %(holder)s
-   AND l.gen = %(gen)s AND l.until >= clock.now
+ WHERE l.bucket = %(bucket)s AND l.user_id = %(user)s
+   AND {lease.fenced("%(holder)s", "%(gen)s", "clock.now")}
 RETURNING clock.now
 """
 
 # RELEASE's `marked`: the run's events stay running (the attempt counted),
 # or with `spare` those on their first attempt go back pending, claimable now
 # unless `at_once` is false, with `error` recorded.
-MARK_RELEASED = """
+MARK_RELEASED = f"""
 UPDATE events e
    SET status = CASE WHEN %(spare)s AND e.attempts = 1 THEN 'pending' ELSE e.status END,
        available_at = CASE WHEN %(at_once)s THEN %(at)s ELSE e.available_at END,
        error = coalesce(%(error)s::text, e.error)
- WHERE e.bucket = %(bucket)s AND e.user_id = %(user)s AND e.status = 'running'
-   AND e.claim_gen = %(gen)s
+ WHERE e.bucket = %(bucket)s AND e.user_id = %(user)s AND {lease.claimed_by("%(gen)s")}
 """
 
 # HAND_BACK's UNDO_CLAIMS, for one user.
-UNDO_CLAIM = """
+UNDO_CLAIM = f"""
 UPDATE events e
    SET status = CASE WHEN %(unfinished)s AND e.attempts > 1 THEN 'running' ELSE 'pending' END,
        attempts = e.attempts - 1,
        available_at = CASE WHEN e.attempts = 1 THEN e.created_at ELSE e.claimed_at END
- WHERE e.bucket = %(bucket)s AND e.user_id = %(user)s AND e.status = 'running'
-   AND e.claim_gen = %(gen)s
+ WHERE e.bucket = %(bucket)s AND e.user_id = %(user)s AND {lease.claimed_by("%(gen)s")}
 """
 
 
@@ -481,7 +474,7 @@ def repair_dead(conn, pairs: list[tuple[str, int]], *, requeue: bool, actor: str
 # unexpired (the fence), then the record.
 STEP_FENCE = f"""
 SELECT 1 FROM leases l
- WHERE l.user_id = %(user)s AND l.holder = %(holder)s AND l.gen = %(gen)s AND l.until >= {NOW}
+ WHERE l.user_id = %(user)s AND {lease.fenced("%(holder)s", "%(gen)s", NOW)}
    FOR SHARE
 """
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from psycopg.rows import class_row
 
 from agent_inbox.records import ClaimPolicy, Event
-from agent_inbox.store import notify, steps
+from agent_inbox.store import lease, notify, steps
 from agent_inbox.store.clock import DB_CLOCK, NOW
 
 EVENT_COLUMNS = (
@@ -69,6 +69,10 @@ def insert_many(conn, rows: list[tuple]) -> list[bool]:
         stored.discard(key)  # a repeat inside the batch is a duplicate
     return result
 
+
+# An event not yet handled: pending, or running under a claim whose run has not
+# finished (ix_events_open's predicate, schema.py).
+OPEN = "e.status IN ('pending', 'running')"
 
 # Invariant 4, as CTEs that follow a CTE `run(user_id, gen, now)` naming the
 # users whose leases the caller holds (locked) and the generation claiming each
@@ -142,8 +146,7 @@ CLAIM = f"""
 WITH run AS (
     SELECT l.user_id, l.gen, clock.now
       FROM leases l, (SELECT {NOW} AS now) clock
-     WHERE l.user_id = %(user)s AND l.holder = %(holder)s AND l.gen = %(gen)s
-       AND l.until >= clock.now
+     WHERE l.user_id = %(user)s AND {lease.fenced("%(holder)s", "%(gen)s", "clock.now")}
 ), {CLAIM_STEPS}
 SELECT * FROM claimed ORDER BY id
 """
@@ -155,11 +158,17 @@ def send_claim(conn, user: str, holder: str, gen: int, policy: ClaimPolicy, now:
     return conn.cursor(row_factory=class_row(Event)).execute(CLAIM, params)
 
 
-# An open event of the user `w.user_id` is claimable now (the claim's rule: a fresh
-# event at once, a retry once due).
-CLAIMABLE = """EXISTS (SELECT 1 FROM events e
-                WHERE e.user_id = w.user_id AND e.status IN ('pending', 'running')
-                  AND (e.attempts = 0 OR e.available_at <= clock.now))"""
+def claimable(user: str, now: str, *, bucket: str | None = None) -> str:
+    """The claim's rule as finding work applies it, written once for both run
+    paths: the user `user` has an open event claimable at `now`, a fresh one
+    at once, a retry once its backoff is due (SQL expressions; `bucket` names
+    the user's bucket where rows are found by it: store/bucketed.py)."""
+    in_bucket = f"e.bucket = {bucket} AND " if bucket else ""
+    return (f"EXISTS (SELECT 1 FROM events e WHERE {in_bucket}e.user_id = {user} AND {OPEN}"
+            f" AND (e.attempts = 0 OR e.available_at <= {now}))")
+
+
+CLAIMABLE = claimable("w.user_id", "clock.now")
 
 # How many wakes a take looks at beyond the users it takes (see TAKE_WORK).
 LOOK = 1000
@@ -235,7 +244,7 @@ WITH clock AS (
     SELECT s.user_id,
            CASE WHEN s.until >= s.now THEN s.until + 1
                 ELSE (SELECT min(e.available_at) FROM events e
-                       WHERE e.user_id = s.user_id AND e.status IN ('pending', 'running'))
+                       WHERE e.user_id = s.user_id AND {OPEN})
                 END AS next_at
       FROM (SELECT DISTINCT user_id, until, now FROM stale) s
 ), picked AS (
@@ -331,7 +340,7 @@ WITH clock AS (
                   %(event_ids)s::bigint[]) AS c(n, user_id, gen, id)
       CROSS JOIN LATERAL (SELECT e.ctid AS version FROM events e
                            WHERE e.user_id = c.user_id AND e.id = c.id
-                             AND e.status = 'running' AND e.claim_gen = c.gen
+                             AND {lease.claimed_by("c.gen")}
                            LIMIT 1) e
 ), found AS (
     SELECT n, count(*) AS events FROM mine GROUP BY n
@@ -341,8 +350,8 @@ WITH clock AS (
            l.version IS NOT NULL AND coalesce(found.events, 0) = run.named AS ok
       FROM run CROSS JOIN clock
       LEFT JOIN LATERAL (SELECT l.ctid AS version FROM leases l
-                          WHERE l.user_id = run.user_id AND l.holder = run.holder
-                            AND l.gen = run.gen AND l.until >= clock.now
+                          WHERE l.user_id = run.user_id
+                            AND {lease.fenced("run.holder", "run.gen", "clock.now")}
                           LIMIT 1) l ON true
       LEFT JOIN found ON found.n = run.n
 ), closed AS (
@@ -411,7 +420,7 @@ WITH clock AS (
      WHERE verdict.ok AND %(release)s
        AND (verdict.error IS NOT NULL  -- its events go back
             OR EXISTS (SELECT 1 FROM events e  -- or more are open than the run's own
-                        WHERE e.user_id = verdict.user_id AND e.status IN ('pending', 'running')
+                        WHERE e.user_id = verdict.user_id AND {OPEN}
                        OFFSET verdict.named))
 )
 SELECT ok, CASE WHEN n = 1 AND EXISTS (SELECT 1 FROM queued)

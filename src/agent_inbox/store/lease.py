@@ -22,6 +22,22 @@ every later step is an update of a row that exists.
 from agent_inbox.records import Lease
 from agent_inbox.store.clock import NOW
 
+
+def fenced(holder: str, gen: str, now: str, lease: str = "l") -> str:
+    """Invariant 3's lease fence, written once for every statement that has
+    one: the lease row `lease` is held by `holder` in generation `gen` and has
+    not expired at `now` (each an SQL expression). A finish, a claim, a step
+    record or a permit call behind it commits only while its run holds the
+    lease it was taken under; a takeover bumps `gen`, so a stalled run's late
+    write is refused even after it renewed nothing."""
+    return f"{lease}.holder = {holder} AND {lease}.gen = {gen} AND {lease}.until >= {now}"
+
+
+def claimed_by(gen: str, event: str = "e") -> str:
+    """The fence's other half, on the events: `event` is running under the
+    claim of generation `gen` (no finish, release or later claim since)."""
+    return f"{event}.status = 'running' AND {event}.claim_gen = {gen}"
+
 # Invariant 2: the lease row is the per-user mutex for every run-path transaction.
 LOCK = "SELECT holder, gen, until FROM leases WHERE user_id = %(user)s FOR UPDATE"
 
@@ -75,8 +91,7 @@ WITH clock AS (
 ), held AS (
     SELECT l.user_id, l.gen
       FROM leases l, clock, unnest(%(users)s::text[], %(gens)s::bigint[]) AS k(user_id, gen)
-     WHERE l.user_id = k.user_id AND l.holder = %(holder)s AND l.gen = k.gen
-       AND l.until >= clock.now
+     WHERE l.user_id = k.user_id AND {fenced("%(holder)s", "k.gen", "clock.now")}
      ORDER BY l.user_id
        FOR UPDATE OF l
 )"""
@@ -112,7 +127,7 @@ def renew(conn, holder: str, keys: list[tuple[str, int]], ttl: int, now: int | N
 # run died beside another that was blamed for the crash, and its retry is an
 # ordinary run, not an unfinished one (runs.release_holder). Each user released
 # gets a wake now (store/inbox.py, TAKE_WORK), so a take looks at it again.
-RELEASE = HELD + """, released AS (
+RELEASE = HELD + f""", released AS (
     UPDATE leases l SET until = clock.now - 1
       FROM clock, held
      WHERE l.user_id = held.user_id
@@ -123,7 +138,7 @@ RELEASE = HELD + """, released AS (
            available_at = CASE WHEN %(at_once)s THEN clock.now ELSE e.available_at END,
            error = coalesce(%(error)s, e.error)
       FROM clock, released r
-     WHERE e.user_id = r.user_id AND e.status = 'running' AND e.claim_gen = r.gen
+     WHERE e.user_id = r.user_id AND {claimed_by("r.gen")}
 ), woke AS (
     INSERT INTO wakes (user_id, at) SELECT user_id, clock.now FROM released, clock
 )
@@ -161,13 +176,13 @@ def held_by(conn, holder: str, now: int | None) -> list[tuple[str, int]]:
 # generations. Both statements follow a CTE `returned(user_id, gen, unfinished)`
 # of the leases given back and answer their users; each user given back gets a
 # wake now (store/inbox.py, TAKE_WORK).
-UNDO_CLAIMS = """unclaimed AS (
+UNDO_CLAIMS = f"""unclaimed AS (
     UPDATE events e
        SET status = CASE WHEN r.unfinished AND e.attempts > 1 THEN 'running' ELSE 'pending' END,
            attempts = e.attempts - 1,
            available_at = CASE WHEN e.attempts = 1 THEN e.created_at ELSE e.claimed_at END
       FROM returned r
-     WHERE e.user_id = r.user_id AND e.status = 'running' AND e.claim_gen = r.gen
+     WHERE e.user_id = r.user_id AND {claimed_by("r.gen")}
 ), woke AS (
     INSERT INTO wakes (user_id, at) SELECT user_id, clock.now FROM returned, clock
 )"""
@@ -179,8 +194,7 @@ WITH clock AS (
     UPDATE leases l SET until = clock.now - 1
       FROM clock, unnest(%(users)s::text[], %(gens)s::bigint[], %(unfinished)s::boolean[])
                   AS given(user_id, gen, unfinished)
-     WHERE l.user_id = given.user_id AND l.holder = %(holder)s AND l.gen = given.gen
-       AND l.until >= clock.now
+     WHERE l.user_id = given.user_id AND {fenced("%(holder)s", "given.gen", "clock.now")}
  RETURNING l.user_id, l.gen, given.unfinished
 ), {UNDO_CLAIMS}
 SELECT user_id FROM returned

@@ -20,6 +20,7 @@ its generation (a stale run is told LeaseLost, and nothing is recorded).
 import hashlib
 import json
 
+from agent_inbox.store import lease
 from agent_inbox.store.clock import NOW
 
 ANSWERS = ("allow", "deny", "ask")
@@ -43,7 +44,7 @@ def request_id(tool: str, args_digest: str) -> str:
 # takeover either commits first (no row: LeaseLost) or waits for the decision.
 HOLD = f"""
 SELECT 1 FROM leases l
- WHERE l.user_id = %(user)s AND l.holder = %(holder)s AND l.gen = %(gen)s AND l.until >= {NOW}
+ WHERE l.user_id = %(user)s AND {lease.fenced("%(holder)s", "%(gen)s", NOW)}
    FOR SHARE
 """
 

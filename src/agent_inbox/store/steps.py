@@ -23,6 +23,7 @@ one node's transaction each).
 
 from dataclasses import dataclass
 
+from agent_inbox.store import lease
 from agent_inbox.store.clock import NOW
 
 
@@ -80,9 +81,10 @@ WITH clock AS (
                   AS r(user_id, holder, gen, events, position, name, occurrence, result)
 ), held AS (
     SELECT l.user_id, l.gen FROM leases l, clock
-     WHERE l.user_id = ANY(%(users)s::text[]) AND l.until >= clock.now
+     WHERE l.user_id = ANY(%(users)s::text[])
        AND EXISTS (SELECT 1 FROM rec
-                    WHERE rec.user_id = l.user_id AND rec.holder = l.holder AND rec.gen = l.gen)
+                    WHERE rec.user_id = l.user_id
+                      AND {lease.fenced("rec.holder", "rec.gen", "clock.now")})
      ORDER BY l.user_id
        FOR SHARE OF l
 )
