@@ -17,7 +17,7 @@ from agent_inbox.permissions import Permissions
 from agent_inbox.records import EVENT_STATUSES, ClaimPolicy, Event, SendPolicy
 from agent_inbox.runs import Run, Runs
 from agent_inbox.scheduling import Scheduling
-from agent_inbox.store import admin, inbox, lease, outbox, retention, steps, wakes
+from agent_inbox.store import admin, compaction, inbox, lease, outbox, retention, steps
 from agent_inbox.store import memory as memories
 from agent_inbox.store.steps import RecordedStep
 
@@ -111,11 +111,12 @@ class Inbox(Runs, Scheduling, Delivery, Permissions):
         (queued by a worker older than the deliveries schema; never on Citus)."""
         return self._path.adopts_held_messages
 
-    def compact_wakes(self, **options) -> wakes.Compaction | None:
-        """Rewrite the table of wakes without its dead row versions if they
-        call for it (store/wakes.py: what, when, and why no wake is lost);
-        None on Citus, where it is not done. Workers call it every second."""
-        return self._path.compact_wakes(**options)
+    def compact(self, **options) -> list[compaction.Compaction] | None:
+        """Rewrite `wakes` and `leases` without their dead row versions where
+        they call for it (store/compaction.py: what, when, and why no row is
+        lost or changed); what each look came to, or None on Citus, where it
+        is not done. Workers call it every second."""
+        return self._path.compact(**options)
 
     @property
     def max_attempts(self) -> int:

@@ -63,9 +63,9 @@ HORIZON_AGE_XIDS = Gauge("agent_inbox_horizon_age_xids",
                          "Transactions since the oldest xmin still held (age(xmin))")
 DEAD_TUPLES = Gauge("agent_inbox_dead_tuples", "Dead tuples of the inbox's tables (n_dead_tup)",
                     ["table"])
-WAKES_COMPACTED = Counter("agent_inbox_wakes_compactions_total",
-                          "Rewrites of the wakes table without its dead tuples (store/wakes.py), "
-                          "and tries whose table lock was not granted in time", ["result"])
+COMPACTIONS = Counter("agent_inbox_compactions_total",
+                      "Rewrites of a table without its dead tuples (store/compaction.py), and "
+                      "tries whose table lock was not granted in time", ["table", "result"])
 
 
 def count_ingested(source: str, stored: bool) -> None:

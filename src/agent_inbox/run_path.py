@@ -30,8 +30,9 @@ from typing import Any, Protocol
 
 from agent_inbox import citus, db, errors
 from agent_inbox.records import ClaimPolicy
-from agent_inbox.store import (admin, approvals, bucketed, delegated, inbox, lease, outbox, steps,
-                               timers, wakes)
+from agent_inbox.store import (admin, approvals, bucketed, compaction, delegated, inbox, lease,
+                               outbox, steps,
+                               timers)
 
 # Why a call left a node's users alone without asking it (citus.NodeMap.hung).
 HUNG = "their worker node timed out a moment ago (set aside for a while)"
@@ -125,9 +126,10 @@ class RunPath(Protocol):
         """In an open transaction: requeue or discard the dead events among
         (user, id) pairs (store/admin.py); the rows repaired."""
 
-    def compact_wakes(self, **options) -> wakes.Compaction | None:
-        """Rewrite `wakes` without its dead tuples if they call for it
-        (store/wakes.py's options); None where it is not done."""
+    def compact(self, **options) -> list[compaction.Compaction] | None:
+        """Rewrite each table of compaction.TABLES without its dead tuples if
+        they call for it (store/compaction.py's options); None where it is
+        not done."""
 
 
 def for_pool(pool) -> RunPath:
@@ -243,9 +245,9 @@ class SetBased:
             return admin.requeue(conn, pairs, now, actor)
         return admin.discard(conn, pairs, actor)
 
-    def compact_wakes(self, **options):
+    def compact(self, **options):
         with db.translated(), self._pool.connection() as conn:
-            return wakes.compact(conn, **options)
+            return [compaction.compact(conn, table, **options) for table in compaction.TABLES]
 
 
 class PerBucket:
@@ -435,9 +437,9 @@ class PerBucket:
     def repair_dead(self, conn, pairs, requeue, actor, now):
         return bucketed.repair_dead(conn, pairs, requeue=requeue, actor=actor, now=now)
 
-    def compact_wakes(self, **options):
-        """Not on Citus: each bucket's wakes live in a shard on a worker node,
-        and locking and truncating the distributed table would stop every node's
+    def compact(self, **options):
+        """Not on Citus: each bucket's rows live in a shard on a worker node,
+        and locking and truncating a distributed table would stop every node's
         takes at once (and take a distributed lock across the nodes). A held
         horizon there is left to the worker nodes' own VACUUM (docs/citus.md)."""
         return None

@@ -68,7 +68,9 @@ sa.Index(
 sa.Index("ix_events_dead", events.c.id, postgresql_where=sa.text("status = 'dead'"))
 
 # Updated in place on every take, renewal and release: fillfactor 25 (set by
-# migration 0009) leaves room for those HOT updates on each row's page.
+# migration 0009) leaves room for those HOT updates on each row's page, and
+# workers rewrite the table without its dead versions when a held horizon
+# piles them up (store/compaction.py).
 leases = sa.Table(
     "leases",
     metadata,
@@ -87,7 +89,7 @@ leases = sa.Table(
 # take that looked at the user (store/inbox.py, TAKE_WORK) and by a finish with
 # release. Only inserted and deleted: an ingest never waits on a wake's lock.
 # Workers rewrite the table without its dead row versions when they pile up
-# (store/wakes.py): a held xmin horizon must not slow finding work.
+# (store/compaction.py): a held xmin horizon must not slow finding work.
 wakes = sa.Table(
     "wakes",
     metadata,

@@ -1,6 +1,7 @@
-"""The compactor: every worker looks at `wakes` every INTERVAL seconds and
-compacts it when its dead tuples call for it (store/wakes.py: one compactor at
-a time across the fleet, a lock asked for briefly and given up if not granted).
+"""The compactor: every worker looks at `wakes` and `leases` every INTERVAL
+seconds and compacts them when their dead tuples call for it
+(store/compaction.py: one compactor at a time across the fleet, a lock asked
+for briefly and given up if not granted).
 
 It is a thread of its own, on one of the worker's pool connections taken for
 each look, so a look that waits for its lock never holds up a renewal, a take
@@ -13,13 +14,13 @@ import threading
 
 from agent_inbox import metrics
 from agent_inbox.inbox import Inbox
-from agent_inbox.store import wakes
+from agent_inbox.store import compaction
 
 log = logging.getLogger("agent_inbox.worker")
 
 # seconds between looks (AGENT_INBOX_COMPACT_INTERVAL; 0 turns it off)
 INTERVAL = float(os.environ.get("AGENT_INBOX_COMPACT_INTERVAL", "1"))
-# What `look` answers where compaction is not done (Inbox.compact_wakes: None).
+# What `look` answers where compaction is not done (Inbox.compact: None).
 NOT_HERE = "not done on this database"
 
 
@@ -35,19 +36,20 @@ class Compactor(threading.Thread):
                 return
 
     def look(self):
-        """One look: its Compaction; None if it failed (logged); NOT_HERE
-        where compaction is not done (Citus: the thread then ends)."""
+        """One look: a Compaction per table; None if it failed (logged);
+        NOT_HERE where compaction is not done (Citus: the thread then ends)."""
         try:
-            done = self.inbox.compact_wakes(**self.options)
+            looks = self.inbox.compact(**self.options)
         except Exception as exc:  # a failed look must not end the thread
-            log.warning("compacting wakes failed: %s", str(exc).strip() or type(exc).__name__)
+            log.warning("compaction failed: %s", str(exc).strip() or type(exc).__name__)
             return None
-        if done is None:
+        if looks is None:
             return NOT_HERE
-        if done.outcome == wakes.COMPACTED:
-            metrics.WAKES_COMPACTED.labels("compacted").inc()
-            log.debug("wakes compacted: %d dead tuples dropped, %d wakes kept", done.dead,
-                      done.kept)
-        elif done.outcome == wakes.NOT_GRANTED:
-            metrics.WAKES_COMPACTED.labels("lock_not_granted").inc()
-        return done
+        for done in looks:
+            if done.outcome == compaction.COMPACTED:
+                metrics.COMPACTIONS.labels(done.table, "compacted").inc()
+                log.debug("%s compacted: %d dead tuples dropped, %d rows kept", done.table,
+                          done.dead, done.kept)
+            elif done.outcome == compaction.NOT_GRANTED:
+                metrics.COMPACTIONS.labels(done.table, "lock_not_granted").inc()
+        return looks

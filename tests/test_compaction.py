@@ -1,6 +1,6 @@
-"""Compacting `wakes` (store/wakes.py) keeps every live wake and drops the dead
-row versions a held horizon leaves behind; it never waits for anyone, and a
-statement that waited for it sees the rewritten table.
+"""Compaction (store/compaction.py) keeps every live wake and lease as it was
+and drops the dead row versions a held horizon leaves behind; it never waits
+for anyone, and a statement that waited for it sees the rewritten table.
 
 The interleavings are held in place by table locks (another session's ACCESS
 SHARE, as pg_dump takes, or an uncommitted ingest's ROW EXCLUSIVE) and waited
@@ -13,7 +13,7 @@ import psycopg
 import pytest
 
 from agent_inbox import Result
-from agent_inbox.store import wakes as wakes_sql
+from agent_inbox.store import compaction
 from tests.races import Racers, wait_for_lock_waiters
 
 T = 1_000_000
@@ -21,16 +21,20 @@ TTL = 30
 FORCED = {"min_dead": 0, "ratio": 0}  # compact whatever the dead tuples
 
 
-def live_wakes(url: str) -> list[tuple]:
+def rows(url: str, table: str) -> list[tuple]:
     with psycopg.connect(url) as conn:
-        return conn.execute("SELECT user_id, at, id FROM wakes ORDER BY at, id").fetchall()
+        return conn.execute(f"SELECT * FROM {table} ORDER BY 1, 2").fetchall()
 
 
-def sizes(url: str) -> tuple[int, int, int]:
-    """Bytes of the table, of ix_wakes_at, and the table's file node."""
+def sizes(url: str, table: str, index: str) -> tuple[int, int, int]:
+    """Bytes of the table, of its index, and the table's file node."""
     with psycopg.connect(url) as conn:
-        return conn.execute("SELECT pg_relation_size('wakes'), pg_relation_size('ix_wakes_at'),"
-                            " pg_relation_filenode('wakes')").fetchone()
+        return conn.execute("SELECT pg_relation_size(%s), pg_relation_size(%s),"
+                            " pg_relation_filenode(%s)", (table, index, table)).fetchone()
+
+
+def compacted(inbox, **options) -> dict[str, compaction.Compaction]:
+    return {look.table: look for look in inbox.compact(**FORCED, **options)}
 
 
 def held_horizon(url: str) -> psycopg.Connection:
@@ -49,51 +53,66 @@ def churn(inbox, users: int, rounds: int) -> None:
             assert inbox.finish_run(run, Result(), now=T)
 
 
-def test_compaction_keeps_every_live_wake_and_drops_what_a_held_horizon_keeps(
+def test_compaction_keeps_every_live_row_and_drops_what_a_held_horizon_keeps(
         database_url, make_inbox):
     inbox = make_inbox(lease_ttl=TTL)
     with held_horizon(database_url):
-        churn(inbox, users=50, rounds=20)                       # 1,000 runs' wakes, all dead
+        churn(inbox, users=50, rounds=20)               # 1,000 runs' wakes and lease versions
         inbox.ingest_many([(f"u{i}", "chat", "open", {}) for i in range(10)])  # due now
         held = [inbox.take_work("H2", now=T) for _ in range(3)]  # their wake: the lease end
         assert all(run is not None for run in held)
-        before = live_wakes(database_url)
-        assert len(before) == 10
-        table, index, node = sizes(database_url)
+        stalled = inbox.take_work("H2", now=T)          # taken over below: its finish refused
+        wakes_before, leases_before = rows(database_url, "wakes"), rows(database_url, "leases")
+        assert len(wakes_before) == 10 and len(leases_before) == 50
+        before = {t: sizes(database_url, t, i) for t, i in (("wakes", "ix_wakes_at"),
+                                                           ("leases", "pk_leases"))}
         with psycopg.connect(database_url, autocommit=True) as conn:
-            conn.execute("VACUUM wakes")                         # the hold: nothing removed
-        assert sizes(database_url)[:2] == (table, index)
+            conn.execute("VACUUM wakes, leases")        # the hold: nothing removed
+        assert all(sizes(database_url, t, i)[:2] == before[t][:2]
+                   for t, i in (("wakes", "ix_wakes_at"), ("leases", "pk_leases")))
 
-        done = inbox.compact_wakes(**FORCED)
+        done = compacted(inbox)
 
-        assert done.outcome == wakes_sql.COMPACTED and done.kept == 10
-        assert live_wakes(database_url) == before                # same users, times and ids
-        table_after, index_after, node_after = sizes(database_url)
-        assert node_after != node                                # new files
-        assert table_after <= 8192 < table and index_after <= 2 * 8192 < index
-    # every open event is still taken: 7 at once, the 3 held at their lease end
-    taken = list(iter(lambda: inbox.take_work("H3", now=T), None))
-    assert len(taken) == 7 and all(inbox.finish_run(run, Result(), now=T) for run in taken)
-    later = [run.user for run in iter(lambda: inbox.take_work("H3", now=T + TTL + 1), None)]
-    assert sorted(later) == sorted(run.user for run in held)
+        assert done["wakes"].outcome == compaction.COMPACTED and done["wakes"].kept == 10
+        assert done["leases"].outcome == compaction.COMPACTED and done["leases"].kept == 50
+        # every wake's user, time and id; every lease's holder, generation and expiry
+        assert rows(database_url, "wakes") == wakes_before
+        assert rows(database_url, "leases") == leases_before
+        for table, index in (("wakes", "ix_wakes_at"), ("leases", "pk_leases")):
+            table_size, index_size, node = sizes(database_url, table, index)
+            assert node != before[table][2]                  # new files
+            assert table_size < before[table][0] / 4 and index_size <= before[table][1]
+    # the fences hold as before: the stalled run, taken over, is refused
+    takeover = inbox.take_work("H4", now=T + TTL + 1)
+    assert takeover is not None and takeover.user == stalled.user
+    assert not inbox.finish_run(stalled, Result(), now=T + TTL + 1)
+    assert inbox.finish_run(takeover, Result(), now=T + TTL + 1)
+    # every open event is still taken: the 6 left at once, the 3 held at their lease end
+    taken = list(iter(lambda: inbox.take_work("H3", now=T + TTL + 1), None))
+    assert sorted(run.user for run in taken) == sorted(
+        {f"u{i}" for i in range(10)} - {stalled.user})
+    assert all(inbox.finish_run(run, Result(), now=T + TTL + 1) for run in taken)
 
 
 def test_a_session_holding_the_table_makes_compaction_give_up_and_change_nothing(
         database_url, make_inbox):
     """pg_dump holds ACCESS SHARE on every table it dumps for as long as it runs:
-    compaction asks for its lock briefly, gives up, and the takes go on."""
+    compaction asks for its locks briefly, gives up, and the takes go on."""
     inbox = make_inbox(lease_ttl=TTL, application_name="taker")
     churn(inbox, users=5, rounds=2)
     inbox.ingest("u0", "chat", "open", {})
-    before, node = live_wakes(database_url), sizes(database_url)[2]
+    before = {t: (rows(database_url, t), sizes(database_url, t, t)[2])
+              for t in compaction.TABLES}
     with psycopg.connect(database_url, application_name="dump") as dump:
         dump.execute("BEGIN ISOLATION LEVEL REPEATABLE READ")
-        dump.execute("LOCK TABLE wakes IN ACCESS SHARE MODE")
+        dump.execute("LOCK TABLE wakes, leases IN ACCESS SHARE MODE")
 
-        done = inbox.compact_wakes(**FORCED, lock_timeout_ms=200)
+        done = compacted(inbox, lock_timeout_ms=200)
 
-        assert done.outcome == wakes_sql.NOT_GRANTED
-        assert sizes(database_url)[2] == node and live_wakes(database_url) == before
+        assert {t: look.outcome for t, look in done.items()} == {
+            t: compaction.NOT_GRANTED for t in compaction.TABLES}
+        assert {t: (rows(database_url, t), sizes(database_url, t, t)[2])
+                for t in compaction.TABLES} == before
         run = inbox.take_work("H", now=T)                         # not queued behind it
         assert run is not None and run.user == "u0"
 
@@ -105,23 +124,25 @@ def test_a_wake_inserted_but_not_committed_holds_compaction_off_and_is_kept(
     with psycopg.connect(database_url) as ingest:
         ingest.execute("INSERT INTO events (user_id, source, source_id, payload)"
                        " VALUES ('late', 'chat', '1', '{}')")   # its trigger inserts a wake
-        assert inbox.compact_wakes(**FORCED, lock_timeout_ms=200).outcome == wakes_sql.NOT_GRANTED
+        assert compacted(inbox, lock_timeout_ms=200)["wakes"].outcome == compaction.NOT_GRANTED
         ingest.commit()
-    done = inbox.compact_wakes(**FORCED)
-    assert done.outcome == wakes_sql.COMPACTED and done.kept == 1
+    done = compacted(inbox)["wakes"]
+    assert done.outcome == compaction.COMPACTED and done.kept == 1
     run = inbox.take_work("H", now=T)
     assert run is not None and run.user == "late"
 
 
+@pytest.mark.parametrize("table", compaction.TABLES)
 @pytest.mark.parametrize("waiter", ["take", "finish"])
 def test_a_statement_that_waited_for_compaction_sees_the_rewritten_table(
-        database_url, make_inbox, waiter):
+        database_url, make_inbox, waiter, table):
     """TRUNCATE is not MVCC-safe: a statement whose snapshot were older than the
     compaction's commit would see the table empty. The take (or the finish
-    with release) queued behind compaction's lock must see every wake copied
-    back: the user taken, or its next wake kept. Its statement is prepared
-    (psycopg prepares after five uses): the cached plan's locks are taken
-    before its snapshot too."""
+    with release) queued behind compaction's lock must see every row copied
+    back: the user's wake and free lease (taken), or its run's lease (the
+    finish accepted) and next wake. Its statements are prepared (psycopg
+    prepares after five uses): a cached plan's locks are taken before its
+    snapshot too."""
     inbox = make_inbox(lease_ttl=TTL, application_name="waiter")
     compactor = make_inbox(application_name="compactor")
     for i in range(6):                                          # prepared from here on
@@ -133,9 +154,8 @@ def test_a_statement_that_waited_for_compaction_sees_the_rewritten_table(
         inbox.ingest("u", "chat", "2", {})                      # work left at its release
     with psycopg.connect(database_url, application_name="dump") as dump:
         dump.execute("BEGIN")
-        dump.execute("LOCK TABLE wakes IN ACCESS SHARE MODE")
-        compacting = Racers(lambda: compactor.compact_wakes(**FORCED,
-                                                            lock_timeout_ms=30_000)).start()
+        dump.execute(f"LOCK TABLE {table} IN ACCESS SHARE MODE")
+        compacting = Racers(lambda: compacted(compactor, lock_timeout_ms=30_000)).start()
         wait_for_lock_waiters(database_url, 1, application_name="compactor")
         if waiter == "take":
             waiting = Racers(lambda: inbox.take_work("H2", now=T)).start()
@@ -145,7 +165,7 @@ def test_a_statement_that_waited_for_compaction_sees_the_rewritten_table(
         dump.rollback()
         [done] = compacting.join()
         [answer] = waiting.join()
-    assert done.outcome == wakes_sql.COMPACTED
+    assert done[table].outcome == compaction.COMPACTED
     if waiter == "take":
         assert answer is not None and answer.user == "u"
     else:
@@ -154,10 +174,29 @@ def test_a_statement_that_waited_for_compaction_sees_the_rewritten_table(
         assert again is not None and [e.source_id for e in again.events] == ["2"]
 
 
+def test_a_run_holding_its_lease_row_holds_compaction_off(database_url, make_inbox):
+    """A run-path transaction locks its lease rows to its end: compaction
+    cannot rewrite them under it, and the run's fence is intact after."""
+    inbox = make_inbox(lease_ttl=TTL)
+    inbox.ingest("u", "chat", "1", {})
+    run = inbox.take_work("H", now=T)
+    with psycopg.connect(database_url) as finishing:
+        finishing.execute("SELECT * FROM leases WHERE user_id = 'u' FOR UPDATE")
+        assert compacted(inbox, lock_timeout_ms=200)["leases"].outcome == compaction.NOT_GRANTED
+    assert compacted(inbox)["leases"].outcome == compaction.COMPACTED
+    assert inbox.finish_run(run, Result(), now=T)
+
+
+def test_only_the_tables_it_knows_are_compacted(database_url):
+    with psycopg.connect(database_url) as conn, pytest.raises(ValueError, match="not 'events'"):
+        compaction.compact(conn, "events")
+
+
 def test_compaction_racing_ingest_takes_and_finishes_loses_no_event(database_url, make_inbox):
-    """Four takers finishing runs, an ingester, and a compactor rewriting the
-    table as often as it can get the lock, each on connections of its own:
-    every event is handled exactly once and no user is left without a wake."""
+    """Four takers finishing runs, an ingester, and a compactor rewriting both
+    tables as often as it can get their locks, each on connections of its own:
+    every event is handled exactly once (no fence lost to a rewritten lease)
+    and no user is left without a wake."""
     users, events_per_user = 40, 15
     stop = threading.Event()
     handled: list[tuple[str, str]] = []
@@ -178,7 +217,8 @@ def test_compaction_racing_ingest_takes_and_finishes_loses_no_event(database_url
     def compacting():
         inbox = make_inbox()
         while not stop.is_set():
-            compactions.append(inbox.compact_wakes(**FORCED, lock_timeout_ms=20).outcome)
+            compactions.extend(look.outcome for look in inbox.compact(**FORCED,
+                                                                       lock_timeout_ms=20))
 
     racers = Racers(*[lambda k=k: taker(k) for k in range(4)], compacting).start()
     Racers(ingester).start().join()
@@ -188,7 +228,7 @@ def test_compaction_racing_ingest_takes_and_finishes_loses_no_event(database_url
     racers.join()
     assert sorted(handled) == sorted((f"u{i}", str(n)) for i in range(users)
                                      for n in range(events_per_user))
-    assert compactions.count(wakes_sql.COMPACTED) >= 5, compactions
+    assert compactions.count(compaction.COMPACTED) >= 10, compactions
 
 
 def wait_until_done(conn, total: int, racers: Racers, timeout: float = 120.0) -> None:

@@ -1,0 +1,126 @@
+"""Compaction: finding work and checking fences stay cheap while VACUUM
+cannot keep up.
+
+Two tables change on every run: `wakes` (a run's arrival, lease end and
+release insert and delete them) and `leases` (every take and every release
+update a user's row). A take reads the due wakes from the head of
+`ix_wakes_at` (store/inbox.py, TAKE_WORK), right where the deleted ones are,
+and every fence reads a user's lease row through the versions its updates
+left. While a transaction held open anywhere in the database keeps VACUUM from
+removing them (horizon.py), those versions pile up and every take walks them:
+81,688 index tuples per take after four minutes at 800 events/s, against
+~6,000 without the hold, and ~220 buffers per lease read after eight
+(docs/operating/horizon.md).
+
+COMPACT rewrites such a table with its live rows only, the way PgQ rotates its
+event tables: under an ACCESS EXCLUSIVE lock it copies the rows every snapshot
+from now on would see, TRUNCATEs the table (new, empty files: no dead version
+or index entry is left, whatever the horizon) and inserts the copies back,
+every column as it was (a wake's id and time, a lease's holder, generation and
+expiry). The held transaction never sees the difference (it never read the
+table, or the lock would not have been granted).
+
+Invariant (a lost wake is an agent silently gone quiet; a changed lease is a
+broken fence): compaction keeps every row a statement starting after it could
+see, unchanged, and never waits for anyone. The lock conflicts with every
+reader and writer of the table, so no transaction that changed a row (or
+locks one: a run-path transaction holds its lease rows' locks to its end) is
+in flight while the copy is taken: the copy is exactly the committed rows. A
+statement that wants the table meanwhile waits for the commit and then sees
+the copies (READ COMMITTED takes a statement's snapshot after its locks). The
+lock is asked for with a short `lock_timeout` (callers queue behind a waiting
+request: at most LOCK_TIMEOUT_MS of delay); when it is not granted (a pg_dump
+holds ACCESS SHARE on every table it dumps, for as long as it runs), nothing
+changes and compaction is tried again later. An advisory lock keeps two
+compactors from queueing behind each other.
+
+When: `compact` reads the table's dead and live tuples (pg_stat_user_tables,
+about a second behind) and compacts once the dead are at least `min_dead` and
+`ratio` times the live, so copying the live rows costs at most 1/ratio of a
+row per dead one (a large backlog's wakes, a million users' leases, are not
+copied again and again) and a read walks at most about ratio + 1 versions of
+a row. Without a held horizon autovacuum mostly keeps the dead below that;
+under load it lets a few thousand dead wakes build up between its passes, and
+compaction then clears them too.
+"""
+
+import dataclasses
+
+import psycopg.errors
+
+# Asked for the table lock: the most any take, finish or ingest waits behind it.
+LOCK_TIMEOUT_MS = 50
+# Compact once this many dead tuples ...
+MIN_DEAD = 5000
+# ... and at least this many times the live ones.
+RATIO = 2.0
+# pg_try_advisory_xact_lock's key: one compactor at a time.
+ADVISORY_KEY = 0x61676E7401  # "agnt" 1
+
+# The tables compacted, in the order a look goes through them.
+TABLES = ("wakes", "leases")
+
+COUNTS = """
+SELECT pg_try_advisory_xact_lock(%(key)s),
+       coalesce((SELECT n_dead_tup FROM pg_stat_user_tables WHERE relid = %(table)s::regclass), 0),
+       coalesce((SELECT n_live_tup FROM pg_stat_user_tables WHERE relid = %(table)s::regclass), 0)
+"""
+
+# One round trip: the lock is held from LOCK to COMMIT only. Every column goes
+# back as it was (OVERRIDING SYSTEM VALUE: a wake's id is GENERATED ALWAYS; its
+# sequence is left as it is).
+COMPACT = """
+DO $compact$
+DECLARE
+    kept {table}[];
+BEGIN
+    LOCK TABLE {table} IN ACCESS EXCLUSIVE MODE;
+    SELECT coalesce(array_agg(t), '{{}}') INTO kept FROM {table} t;
+    TRUNCATE {table};
+    INSERT INTO {table} OVERRIDING SYSTEM VALUE SELECT * FROM unnest(kept);
+END
+$compact$
+"""
+
+
+# What a look at the table came to (Compaction.outcome).
+COMPACTED = "compacted"
+FEW_DEAD = "few dead tuples"
+BUSY = "another compactor is at work"
+NOT_GRANTED = "the table lock was not granted in time"
+
+
+@dataclasses.dataclass(frozen=True)
+class Compaction:
+    """What one look at a table found and did."""
+
+    table: str
+    outcome: str     # COMPACTED, FEW_DEAD, BUSY or NOT_GRANTED
+    dead: int        # dead tuples before (statistics: about a second behind)
+    live: int        # live tuples before (statistics)
+    kept: int | None = None  # the rows kept (counted), when compacted
+
+
+def compact(conn, table: str, *, min_dead: int = MIN_DEAD, ratio: float = RATIO,
+            lock_timeout_ms: int = LOCK_TIMEOUT_MS) -> Compaction:
+    """Compact `table` (one of TABLES) if its dead tuples call for it (see
+    the module); `conn` is outside a transaction. A lock not granted in time
+    is an outcome, not an error; any other failure raises, and nothing is
+    changed."""
+    if table not in TABLES:
+        raise ValueError(f"compaction is for {', '.join(TABLES)}, not {table!r}")
+    with conn.transaction():
+        acquired, dead, live = conn.execute(COUNTS, {"key": ADVISORY_KEY,
+                                                     "table": table}).fetchone()
+        if not acquired:
+            return Compaction(table, BUSY, dead, live)
+        if dead < max(min_dead, ratio * live):
+            return Compaction(table, FEW_DEAD, dead, live)
+        conn.execute("SELECT set_config('lock_timeout', %s, true)", (f"{int(lock_timeout_ms)}ms",))
+        try:
+            with conn.transaction():  # a savepoint: a lock not granted ends only it
+                conn.execute(COMPACT.format(table=table))
+        except psycopg.errors.LockNotAvailable:
+            return Compaction(table, NOT_GRANTED, dead, live)
+        kept = conn.execute(f"SELECT count(*) FROM {table}").fetchone()[0]
+    return Compaction(table, COMPACTED, dead, live, kept)
