@@ -259,7 +259,8 @@ def auto_explain_settings(min_ms: int) -> dict:
     as it ran (the workers' own, generic plans included), with buffers."""
     return {"session_preload_libraries": "auto_explain",
             "auto_explain.log_min_duration": f"{min_ms}ms", "auto_explain.log_analyze": "on",
-            "auto_explain.log_buffers": "on", "auto_explain.log_timing": "off"}
+            "auto_explain.log_buffers": "on", "auto_explain.log_timing": "off",
+            "log_lock_waits": "on", "log_autovacuum_min_duration": "0"}
 
 
 def run_side(side: str, args) -> dict:

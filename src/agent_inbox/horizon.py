@@ -6,9 +6,10 @@ One transaction held open anywhere in the database (a reporting session left
 `idle in transaction`, a forgotten psql, a prepared transaction, a replication
 slot of a standby with hot_standby_feedback) freezes that horizon, and every
 update the inbox makes from then on leaves a row version nobody may remove:
-`leases` (one row per user, updated by every take and finish) and `events`
-grow dead tuples, scans walk them, and the inbox slows until the holder ends
-(bench/soak.py measures it; README, "A transaction held open elsewhere").
+`leases` (one row per user, updated by every take and finish), `wakes` and
+`events` grow dead tuples, and scans walk them. Workers rewrite `wakes` and
+`leases` without theirs (store/compaction.py); `events`' still slow the inbox
+until the holder ends (bench/soak.py measures it; docs/operating/horizon.md).
 
 `read(conn)` is one plain SELECT (it works through PgBouncer) of the oldest
 holders among pg_stat_activity (backend_xid, backend_xmin; this database's
