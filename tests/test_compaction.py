@@ -12,8 +12,9 @@ import time
 import psycopg
 import pytest
 
-from agent_inbox import Result
+from agent_inbox import Result, metrics
 from agent_inbox.store import compaction
+from agent_inbox.worker.compactor import Compactor
 from tests.races import Racers, wait_for_lock_waiters
 
 T = 1_000_000
@@ -245,3 +246,17 @@ def wait_until_done(conn, total: int, racers: Racers, timeout: float = 120.0) ->
         if time.monotonic() > deadline:
             raise AssertionError(f"{total - done} of {total} events were never handled")
         time.sleep(0.05)
+
+
+def test_the_workers_compactor_counts_what_it_did(make_inbox):
+    """The thread every worker runs (worker/compactor.py): a look compacts
+    both tables when told to and counts it in the metric."""
+    inbox = make_inbox()
+    churn(inbox, users=5, rounds=2)
+    counted = {t: metrics.COMPACTIONS.labels(t, "compacted")._value.get()
+               for t in compaction.TABLES}
+    looks = Compactor(inbox, threading.Event(), **FORCED).look()
+    assert [(look.table, look.outcome) for look in looks] == [
+        (t, compaction.COMPACTED) for t in compaction.TABLES]
+    assert all(metrics.COMPACTIONS.labels(t, "compacted")._value.get() == counted[t] + 1
+               for t in compaction.TABLES)
