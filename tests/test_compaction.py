@@ -19,7 +19,7 @@ from tests.races import Racers, wait_for_lock_waiters
 
 T = 1_000_000
 TTL = 30
-FORCED = {"min_dead": 0, "ratio": 0}  # compact whatever the dead tuples
+FORCED = {"min_dead": 0, "ratio": 0, "held_for": None}  # whatever the dead tuples and horizon
 
 
 def rows(url: str, table: str) -> list[tuple]:
@@ -35,7 +35,7 @@ def sizes(url: str, table: str, index: str) -> tuple[int, int, int]:
 
 
 def compacted(inbox, **options) -> dict[str, compaction.Compaction]:
-    return {look.table: look for look in inbox.compact(**FORCED, **options)}
+    return {look.table: look for look in inbox.compact(**{**FORCED, **options})}
 
 
 def held_horizon(url: str) -> psycopg.Connection:
@@ -116,6 +116,20 @@ def test_a_session_holding_the_table_makes_compaction_give_up_and_change_nothing
                 for t in compaction.TABLES} == before
         run = inbox.take_work("H", now=T)                         # not queued behind it
         assert run is not None and run.user == "u0"
+
+
+def test_compaction_waits_for_a_held_horizon_and_leaves_the_dead_to_vacuum_until_then(
+        database_url, make_inbox):
+    """Dead tuples alone are VACUUM's to remove: rewriting them cost a burst
+    throughput. A transaction of this database holding the horizon (older
+    than `held_for`: 0 here, any) is what calls for compaction."""
+    inbox = make_inbox(lease_ttl=TTL)
+    churn(inbox, users=5, rounds=2)
+    assert {t: look.outcome for t, look in compacted(inbox, held_for=0).items()} == {
+        t: compaction.NOT_HELD for t in compaction.TABLES}
+    with held_horizon(database_url):
+        assert {t: look.outcome for t, look in compacted(inbox, held_for=0).items()} == {
+            t: compaction.COMPACTED for t in compaction.TABLES}
 
 
 def test_a_wake_inserted_but_not_committed_holds_compaction_off_and_is_kept(

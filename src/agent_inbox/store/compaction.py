@@ -39,9 +39,13 @@ about a second behind) and compacts once the dead are at least `min_dead` and
 `ratio` times the live, so copying the live rows costs at most 1/ratio of a
 row per dead one (a large backlog's wakes, a million users' leases, are not
 copied again and again) and a read walks at most about ratio + 1 versions of
-a row. Without a held horizon autovacuum mostly keeps the dead below that;
-under load it lets a few thousand dead wakes build up between its passes, and
-compaction then clears them too.
+a row; and only while something has held the horizon back for `held_for`
+seconds (a session's transaction or snapshot, a prepared transaction, a
+replication slot: what horizon.py reports). Otherwise VACUUM can remove the
+dead versions, and does: under a burst autovacuum lets a few thousand dead
+wakes build up between its passes, and rewriting them cost the burst 8 % of
+its throughput (bench/results/ab_30952a7.json) for nothing VACUUM would not
+do a moment later.
 """
 
 import dataclasses
@@ -52,8 +56,11 @@ import psycopg.errors
 LOCK_TIMEOUT_MS = 50
 # Compact once this many dead tuples ...
 MIN_DEAD = 5000
-# ... and at least this many times the live ones.
+# ... and at least this many times the live ones ...
 RATIO = 2.0
+# ... while the horizon has been held back this many seconds: longer than any
+# run-path statement may take (db.DEFAULT_STATEMENT_TIMEOUT).
+HELD_FOR = 10.0
 # pg_try_advisory_xact_lock's key: one compactor at a time.
 ADVISORY_KEY = 0x61676E7401  # "agnt" 1
 
@@ -63,7 +70,20 @@ TABLES = ("wakes", "leases")
 COUNTS = """
 SELECT pg_try_advisory_xact_lock(%(key)s),
        coalesce((SELECT n_dead_tup FROM pg_stat_user_tables WHERE relid = %(table)s::regclass), 0),
-       coalesce((SELECT n_live_tup FROM pg_stat_user_tables WHERE relid = %(table)s::regclass), 0)
+       coalesce((SELECT n_live_tup FROM pg_stat_user_tables WHERE relid = %(table)s::regclass), 0),
+       %(held_for)s::float8 IS NULL
+       OR EXISTS (SELECT 1 FROM pg_stat_activity a  -- this database's sessions (horizon.py)
+                   WHERE (a.backend_xid IS NOT NULL OR a.backend_xmin IS NOT NULL)
+                     AND a.pid <> pg_backend_pid()
+                     AND a.backend_type IS DISTINCT FROM 'autovacuum worker'
+                     AND (a.datname = current_database() OR a.datname IS NULL)
+                     AND a.xact_start < now() - make_interval(secs => %(held_for)s))
+       OR EXISTS (SELECT 1 FROM pg_prepared_xacts p
+                   WHERE p.database = current_database()
+                     AND p.prepared < now() - make_interval(secs => %(held_for)s))
+       OR EXISTS (SELECT 1 FROM pg_replication_slots s  -- no age: held while it has one
+                   WHERE s.xmin IS NOT NULL
+                     AND (s.database IS NULL OR s.database = current_database()))
 """
 
 # One round trip: the lock is held from LOCK to COMMIT only. Every column goes
@@ -86,6 +106,7 @@ $compact$
 # What a look at the table came to (Compaction.outcome).
 COMPACTED = "compacted"
 FEW_DEAD = "few dead tuples"
+NOT_HELD = "nothing holds the horizon back: VACUUM removes the dead tuples"
 BUSY = "another compactor is at work"
 NOT_GRANTED = "the table lock was not granted in time"
 
@@ -95,27 +116,31 @@ class Compaction:
     """What one look at a table found and did."""
 
     table: str
-    outcome: str     # COMPACTED, FEW_DEAD, BUSY or NOT_GRANTED
+    outcome: str     # COMPACTED, FEW_DEAD, NOT_HELD, BUSY or NOT_GRANTED
     dead: int        # dead tuples before (statistics: about a second behind)
     live: int        # live tuples before (statistics)
     kept: int | None = None  # the rows kept (counted), when compacted
 
 
 def compact(conn, table: str, *, min_dead: int = MIN_DEAD, ratio: float = RATIO,
+            held_for: float | None = HELD_FOR,
             lock_timeout_ms: int = LOCK_TIMEOUT_MS) -> Compaction:
-    """Compact `table` (one of TABLES) if its dead tuples call for it (see
-    the module); `conn` is outside a transaction. A lock not granted in time
-    is an outcome, not an error; any other failure raises, and nothing is
-    changed."""
+    """Compact `table` (one of TABLES) if its dead tuples call for it and the
+    horizon has been held for `held_for` seconds (None: whatever the horizon;
+    see the module); `conn` is outside a transaction. A lock not granted in
+    time is an outcome, not an error; any other failure raises, and nothing
+    is changed."""
     if table not in TABLES:
         raise ValueError(f"compaction is for {', '.join(TABLES)}, not {table!r}")
     with conn.transaction():
-        acquired, dead, live = conn.execute(COUNTS, {"key": ADVISORY_KEY,
-                                                     "table": table}).fetchone()
+        acquired, dead, live, held = conn.execute(COUNTS, {
+            "key": ADVISORY_KEY, "table": table, "held_for": held_for}).fetchone()
         if not acquired:
             return Compaction(table, BUSY, dead, live)
         if dead < max(min_dead, ratio * live):
             return Compaction(table, FEW_DEAD, dead, live)
+        if not held:
+            return Compaction(table, NOT_HELD, dead, live)
         conn.execute("SELECT set_config('lock_timeout', %s, true)", (f"{int(lock_timeout_ms)}ms",))
         try:
             with conn.transaction():  # a savepoint: a lock not granted ends only it
