@@ -23,6 +23,14 @@ connect_timeout bounds a connection's opening, TCP keepalives and
 tcp_user_timeout a peer that is gone (a host down, a network cut). Behind a
 transaction pooler no session setting is made (the server's statement_timeout
 is then the role's or the pooler's own): the client's bound holds all the same.
+
+JIT compilation is off on a direct connection (`jit = off`, session state like
+statement_timeout). The run path's statements are short, but their estimated
+costs (a sub-plan per wake, LIMITs the planner cannot see through) pass
+`jit_above_cost` once a few thousand wakes are due, and compiling a take then
+cost 976 ms of its 1,184 ms on every execution (EXPLAIN ANALYZE during the chaos
+test's backlog). Behind a transaction pooler it is the role's or the pooler's
+setting: docs/operating/pgbouncer.md says how to turn it off there.
 """
 
 import contextlib
@@ -139,9 +147,13 @@ def open_pool(url: str, *, size: int, name: str = "agent-inbox", timeout: float 
     def bounded(conn: psycopg.Connection) -> None:
         conn.bound = None  # the set-up itself is not bounded by the run path's bound
         conn.server_timeout = bound is not None and pooler == "none"
-        if conn.server_timeout:  # session state: not behind a transaction pooler
-            conn.execute("SELECT set_config('statement_timeout', %s, false)",
-                         (f"{max(1, int(bound * SERVER_SHARE * 1000))}ms",))
+        if pooler == "none":  # session state: not behind a transaction pooler
+            settings = {"jit": "off"}
+            if conn.server_timeout:
+                settings["statement_timeout"] = f"{max(1, int(bound * SERVER_SHARE * 1000))}ms"
+            conn.execute("SELECT set_config(name, value, false)"
+                         " FROM unnest(%s::text[], %s::text[]) AS s(name, value)",
+                         (list(settings), list(settings.values())))
         if configure is not None:
             configure(conn)
         conn.bound = bound
