@@ -78,6 +78,10 @@ leases = sa.Table(
     sa.Column("holder", sa.Text, nullable=False),
     sa.Column("gen", sa.BigInteger, nullable=False),
     sa.Column("until", sa.BigInteger, nullable=False),
+    # The user's low-water mark (migration 0010): no open event of the user has
+    # a lower id, but for those a wake's `from_id` names. The scans of a user's
+    # open events start here, past the dead versions a held horizon leaves.
+    sa.Column("open_from", sa.BigInteger, nullable=False, server_default="0"),
     sa.PrimaryKeyConstraint("user_id"),
     sa.CheckConstraint("gen >= 0", name="gen"),
 )
@@ -96,6 +100,10 @@ wakes = sa.Table(
     sa.Column("user_id", sa.Text, nullable=False),
     sa.Column("id", sa.BigInteger, sa.Identity(always=True), nullable=False),
     sa.Column("at", sa.BigInteger, nullable=False),
+    # The lowest id of the open events this wake stands for, where it may be
+    # below the lease's `open_from` (new events, requeued ones, a wake carried
+    # over from deleted ones); NULL for a wake that stands for no event.
+    sa.Column("from_id", sa.BigInteger),
     sa.PrimaryKeyConstraint("user_id", "id"),
 )
 sa.Index("ix_wakes_at", wakes.c.at, wakes.c.id)

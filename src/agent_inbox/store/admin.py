@@ -168,9 +168,11 @@ WITH clock AS (
       FROM target t, clock
      WHERE e.user_id = t.user_id AND e.id = t.id
  RETURNING e.user_id, e.id, e.source, e.source_id, t.attempts, t.error
-), woke AS (  -- a take looks at the user (store/inbox.py, TAKE_WORK)
-    INSERT INTO wakes (user_id, at)
-    SELECT DISTINCT user_id, clock.now FROM requeued, clock ORDER BY user_id
+), woke AS (  -- a take looks at the user (store/inbox.py, TAKE_WORK), from the first
+               -- event requeued, which may be below its low-water mark (inbox.low_water)
+    INSERT INTO wakes (user_id, at, from_id)
+    SELECT user_id, clock.now, min(id) FROM requeued, clock
+     GROUP BY user_id, clock.now ORDER BY user_id
 ), unstepped AS (  -- a requeued event starts with no durable steps (store/steps.py)
     DELETE FROM steps s USING requeued r
      WHERE s.user_id = r.user_id AND r.id = ANY(s.event_ids)

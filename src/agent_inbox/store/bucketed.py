@@ -130,8 +130,9 @@ WAKE = "INSERT INTO wakes (bucket, user_id, at) VALUES (%(bucket)s, %(user)s, %(
 # without a finish. One row per claimed event (a NULL event if none). Written
 # for one user like CLAIM and routed as it is (citus.route adds the bucket).
 CLAIM_TALLY = f"""
-WITH run AS (
-    SELECT l.user_id, l.gen, clock.now
+WITH run AS (  -- from the first event: this path keeps no low-water mark (its wakes
+               -- name no event, its finishes raise none: inbox.low_water)
+    SELECT l.user_id, l.gen, clock.now, 0::bigint AS from_id
       FROM leases l, (SELECT {NOW} AS now) clock
      WHERE l.user_id = %(user)s AND {lease.fenced("%(holder)s", "%(gen)s", "clock.now")}
 ), {CLAIM_STEPS}, tally AS (

@@ -74,9 +74,31 @@ def insert_many(conn, rows: list[tuple]) -> list[bool]:
 # finished (ix_events_open's predicate, schema.py).
 OPEN = "e.status IN ('pending', 'running')"
 
-# Invariant 4, as CTEs that follow a CTE `run(user_id, gen, now)` naming the
-# users whose leases the caller holds (locked) and the generation claiming each
-# (one row per user; each user's claim is made on its own):
+
+def carried(user: str) -> str:
+    """The lowest `from_id` among the wakes of `user` this statement's snapshot
+    shows (SQL; NULL if none names an event): what a statement that deletes
+    those wakes carries into the wake or the mark it leaves."""
+    return f"(SELECT min(x.from_id) FROM wakes x WHERE x.user_id = {user})"
+
+
+def low_water(user: str, lease: str = "l") -> str:
+    """The low-water mark of `user` (SQL, `lease` its lease row): no open event
+    of the user has a lower id (migration 0010). The lease's `open_from`,
+    raised only by a finish that releases the lease, or lower where a wake
+    names an event below it (one inserted, or requeued, after the finish
+    raised it; a mark carried over from wakes a take deleted). A wake commits
+    with the events it names, so a statement that does not see the wake does
+    not see the events either. Every scan of a user's open events on the
+    set-based run path starts here, past the dead row versions of the user's
+    finished events that a held xmin horizon keeps in ix_events_open."""
+    return f"least({lease}.open_from, {carried(user)})"
+
+
+# Invariant 4, as CTEs that follow a CTE `run(user_id, gen, now, from_id)`
+# naming the users whose leases the caller holds (locked), the generation
+# claiming each and where its open events start (its `low_water`; one row per
+# user; each user's claim is made on its own):
 #   rows left running by an older generation count as pending (and are left
 #   running until claimed, so the claim that retries them sees them unfinished);
 #   open rows with attempts >= max_attempts become dead;
@@ -99,7 +121,7 @@ open AS (
       FROM run CROSS JOIN LATERAL (  -- each user's open events by index, never a scan of
                                      -- all (OFFSET 0: not flattened into a join)
            SELECT e.ctid AS version, e.* FROM events e
-            WHERE e.user_id = run.user_id
+            WHERE e.user_id = run.user_id AND e.id >= run.from_id
               AND (e.status = 'pending' OR (e.status = 'running' AND e.claim_gen < run.gen))
            OFFSET 0) e
 ), retry AS (
@@ -144,7 +166,7 @@ open AS (
 # For a holder that already holds the lease (claim_batch): the fence, then claim.
 CLAIM = f"""
 WITH run AS (
-    SELECT l.user_id, l.gen, clock.now
+    SELECT l.user_id, l.gen, clock.now, {low_water("l.user_id")} AS from_id
       FROM leases l, (SELECT {NOW} AS now) clock
      WHERE l.user_id = %(user)s AND {lease.fenced("%(holder)s", "%(gen)s", "clock.now")}
 ), {CLAIM_STEPS}
@@ -158,17 +180,24 @@ def send_claim(conn, user: str, holder: str, gen: int, policy: ClaimPolicy, now:
     return conn.cursor(row_factory=class_row(Event)).execute(CLAIM, params)
 
 
-def claimable(user: str, now: str, *, bucket: str | None = None) -> str:
+def claimable(user: str, now: str, *, bucket: str | None = None,
+              from_id: str | None = None) -> str:
     """The claim's rule as finding work applies it, written once for both run
     paths: the user `user` has an open event claimable at `now`, a fresh one
     at once, a retry once its backoff is due (SQL expressions; `bucket` names
-    the user's bucket where rows are found by it: store/bucketed.py)."""
+    the user's bucket where rows are found by it: store/bucketed.py; `from_id`
+    the user's `low_water` where the run path keeps one: a bound of the index
+    scan, so the EXISTS is kept a subplan (OFFSET 0), never made a semi-join
+    that filters on it row by row)."""
     in_bucket = f"e.bucket = {bucket} AND " if bucket else ""
-    return (f"EXISTS (SELECT 1 FROM events e WHERE {in_bucket}e.user_id = {user} AND {OPEN}"
-            f" AND (e.attempts = 0 OR e.available_at <= {now}))")
+    from_mark, subplan = (f" AND e.id >= {from_id}", " OFFSET 0") if from_id else ("", "")
+    return (f"EXISTS (SELECT 1 FROM events e WHERE {in_bucket}e.user_id = {user}{from_mark}"
+            f" AND {OPEN} AND (e.attempts = 0 OR e.available_at <= {now}){subplan})")
 
 
-CLAIMABLE = claimable("w.user_id", "clock.now")
+# Where finding work applies it, beside the user's lease row `l`: the user's
+# `low_water` is read only for a lease that is free (it reads the user's wakes).
+CLAIMABLE = claimable("w.user_id", "clock.now", from_id=low_water("w.user_id"))
 
 # How many wakes a take looks at beyond the users it takes (see TAKE_WORK).
 LOOK = 1000
@@ -231,12 +260,12 @@ WITH clock AS (
       FROM clock LEFT JOIN (SELECT at, id FROM pick ORDER BY at DESC, id DESC LIMIT 1) last
         ON (SELECT count(*) FROM pick) >= %(users)s
 ), stale AS (  -- among the first LOOK wakes pick read past, those whose user it cannot take
-    SELECT w.user_id, l.until, clock.now
+    SELECT w.user_id, l.until, l.open_from, clock.now
       FROM clock, (SELECT user_id, at, id FROM wakes
                     WHERE (at, id) < ((SELECT at FROM reach), (SELECT id FROM reach))
                     ORDER BY at, id LIMIT {LOOK}) w
       CROSS JOIN LATERAL (  -- each lease by key (LIMIT: never turned into a join)
-           SELECT l.until FROM leases l
+           SELECT l.until, l.open_from FROM leases l
             WHERE l.user_id = w.user_id AND NOT (l.until < clock.now AND {CLAIMABLE})
             LIMIT 1
               FOR UPDATE OF l SKIP LOCKED) l
@@ -244,9 +273,10 @@ WITH clock AS (
     SELECT s.user_id,
            CASE WHEN s.until >= s.now THEN s.until + 1
                 ELSE (SELECT min(e.available_at) FROM events e
-                       WHERE e.user_id = s.user_id AND {OPEN})
+                       WHERE e.user_id = s.user_id AND e.id >= {low_water("s.user_id", "s")}
+                         AND {OPEN})
                 END AS next_at
-      FROM (SELECT DISTINCT user_id, until, now FROM stale) s
+      FROM (SELECT DISTINCT user_id, until, open_from, now FROM stale) s
 ), picked AS (
     SELECT user_id, lease, min(at) AS waiting_since, min(id) AS first_wake
       FROM pick GROUP BY user_id, lease
@@ -255,17 +285,20 @@ WITH clock AS (
        SET holder = %(holder)s, gen = l.gen + 1, until = clock.now + %(ttl)s
       FROM clock
      WHERE l.ctid = ANY(ARRAY(SELECT lease FROM picked))  -- the rows pick locked, by TID
- RETURNING l.user_id, l.gen, l.until
-), woke AS (
-    INSERT INTO wakes (user_id, at)
-    SELECT user_id, until + 1 FROM took
+ RETURNING l.user_id, l.gen, l.until, l.open_from
+), woke AS (  -- each carrying the marks of the wakes `slept` deletes (see low_water)
+    INSERT INTO wakes (user_id, at, from_id)
+    SELECT user_id, until + 1, {carried("took.user_id")} FROM took
      UNION ALL
-    SELECT user_id, next_at FROM looked WHERE next_at IS NOT NULL
+    SELECT user_id, next_at, {carried("looked.user_id")} FROM looked WHERE next_at IS NOT NULL
 ), slept AS (  -- the wakes this snapshot shows of the users taken or looked at
     DELETE FROM wakes w
      WHERE w.user_id = ANY(ARRAY(SELECT user_id FROM took UNION ALL SELECT user_id FROM looked))
-), run AS (
-    SELECT took.user_id, took.gen, clock.now FROM took, clock
+), run AS (  -- the lease's mark as locked: one a finish raised after this snapshot
+               -- passes only events that finish closed (the claim's re-check
+               -- would refuse them anyway)
+    SELECT took.user_id, took.gen, clock.now, {low_water("took.user_id", "took")} AS from_id
+      FROM took, clock
 ), {CLAIM_STEPS}, tally AS (
     SELECT user_id, count(*) FILTER (WHERE status = 'dead') AS died,
            count(*) FILTER (WHERE status = 'running' AND old_status = 'running') AS unfinished
@@ -322,9 +355,12 @@ def read_taken(cursor) -> list[tuple]:
 # locks keep those rows from changing meanwhile. Messages are queued in the same
 # statement (in the order given, for a run without an error), so they commit with
 # the outcome, and their user's delivery is due now (deliveries); with `release` each
-# accepted run's lease is expired at once in the same commit, and its user's wakes
-# replaced by one due now if it has work left. Callers lock the
-# runs' lease rows first (LOCK_MANY). One verdict per run, in order.
+# accepted run's lease is expired at once in the same commit, its user's wakes
+# replaced by one due now if it has work left, and its low-water mark raised to
+# the user's first event left open (see low_water: this statement reads with a
+# snapshot taken once the lease was locked, so only events committed after it
+# can be missed, and their wakes, which it does not delete, name them). Callers
+# lock the runs' lease rows first (LOCK_MANY). One verdict per run, in order.
 FINISH = f"""
 WITH clock AS (
     SELECT {NOW} AS now
@@ -346,10 +382,11 @@ WITH clock AS (
     SELECT n, count(*) AS events FROM mine GROUP BY n
 ), verdict AS (
     SELECT run.n, run.user_id, run.error, run.named, run.forget, run.events, run.traceparent,
-           l.version AS lease,
+           l.version AS lease, l.from_id,
            l.version IS NOT NULL AND coalesce(found.events, 0) = run.named AS ok
       FROM run CROSS JOIN clock
-      LEFT JOIN LATERAL (SELECT l.ctid AS version FROM leases l
+      LEFT JOIN LATERAL (SELECT l.ctid AS version, {low_water("l.user_id")} AS from_id
+                           FROM leases l
                           WHERE l.user_id = run.user_id
                             AND {lease.fenced("run.holder", "run.gen", "clock.now")}
                           LIMIT 1) l ON true
@@ -406,22 +443,30 @@ WITH clock AS (
        SET due_at = CASE WHEN d.batch IS NOT NULL AND d.sending_until IS NULL
                           AND d.due_at IS NOT NULL THEN d.due_at
                          ELSE least(d.due_at, excluded.due_at) END
+), left_open AS (  -- each released run's user: its first event open after this finish
+    SELECT verdict.n,
+           (SELECT min(e.id) FROM events e
+             WHERE e.user_id = verdict.user_id AND e.id >= verdict.from_id AND {OPEN}
+               AND (verdict.error IS NOT NULL  -- the run's own events go back
+                    OR NOT EXISTS (SELECT 1 FROM mine WHERE mine.n = verdict.n
+                                                        AND mine.id = e.id))) AS first,
+           (SELECT max(mine.id) + 1 FROM mine WHERE mine.n = verdict.n) AS past_own
+      FROM verdict
+     WHERE verdict.ok AND %(release)s
 ), released AS (
-    UPDATE leases l SET until = clock.now - 1
-      FROM clock, verdict
-     WHERE verdict.ok AND %(release)s AND l.ctid = verdict.lease
+    UPDATE leases l
+       SET until = clock.now - 1,
+           open_from = coalesce(left_open.first, left_open.past_own, verdict.from_id)
+      FROM clock, verdict JOIN left_open ON left_open.n = verdict.n
+     WHERE l.ctid = verdict.lease
 ), rested AS (  -- a released user's wakes, as this snapshot shows them, give way to
                 -- one wake now if it has work left (see TAKE_WORK's invariant)
     DELETE FROM wakes w USING verdict
      WHERE verdict.ok AND %(release)s AND w.user_id = verdict.user_id
 ), woke AS (
     INSERT INTO wakes (user_id, at)
-    SELECT verdict.user_id, clock.now FROM verdict, clock
-     WHERE verdict.ok AND %(release)s
-       AND (verdict.error IS NOT NULL  -- its events go back
-            OR EXISTS (SELECT 1 FROM events e  -- or more are open than the run's own
-                        WHERE e.user_id = verdict.user_id AND {OPEN}
-                       OFFSET verdict.named))
+    SELECT verdict.user_id, clock.now FROM verdict JOIN left_open ON left_open.n = verdict.n, clock
+     WHERE left_open.first IS NOT NULL
 )
 SELECT ok, CASE WHEN n = 1 AND EXISTS (SELECT 1 FROM queued)
                 THEN pg_notify('{notify.OUTBOX}', '') END
