@@ -118,11 +118,11 @@ def test_a_session_holding_the_table_makes_compaction_give_up_and_change_nothing
         assert run is not None and run.user == "u0"
 
 
-def test_compaction_waits_for_a_held_horizon_and_leaves_the_dead_to_vacuum_until_then(
+def test_with_held_for_compaction_waits_for_a_held_horizon(
         database_url, make_inbox):
-    """Dead tuples alone are VACUUM's to remove: rewriting them cost a burst
-    throughput. A transaction of this database holding the horizon (older
-    than `held_for`: 0 here, any) is what calls for compaction."""
+    """With `held_for`, dead tuples alone are left to VACUUM: a transaction
+    of this database holding the horizon (older than `held_for`: 0 here,
+    any) is what calls for compaction."""
     inbox = make_inbox(lease_ttl=TTL)
     churn(inbox, users=5, rounds=2)
     assert {t: look.outcome for t, look in compacted(inbox, held_for=0).items()} == {

@@ -39,13 +39,14 @@ about a second behind) and compacts once the dead are at least `min_dead` and
 `ratio` times the live, so copying the live rows costs at most 1/ratio of a
 row per dead one (a large backlog's wakes, a million users' leases, are not
 copied again and again) and a read walks at most about ratio + 1 versions of
-a row; and only while something has held the horizon back for `held_for`
-seconds (a session's transaction or snapshot, a prepared transaction, a
-replication slot: what horizon.py reports). Otherwise VACUUM can remove the
-dead versions, and does: under a burst autovacuum lets a few thousand dead
-wakes build up between its passes, and rewriting them cost the burst 8 % of
-its throughput (bench/results/ab_30952a7.json) for nothing VACUUM would not
-do a moment later.
+a row. `held_for` (seconds; None, the default: whatever the horizon) asks
+for a held horizon as well (a session's transaction or snapshot, a prepared
+transaction, a replication slot: what horizon.py reports). It is not the
+default: without a hold, at a steady 800 events/s autovacuum (one pass a
+minute at most) let ~95,000 dead wakes build up between its passes and lag
+p50 rose from 27 to 55-107 ms (bench/results/soak_gate_baseline_partial.log,
+against soak_compact_leases_800_10min.json's baseline), while a burst of
+runs gains 8 % without compaction (bench/results/ab_30952a7.json).
 """
 
 import dataclasses
@@ -58,9 +59,8 @@ LOCK_TIMEOUT_MS = 50
 MIN_DEAD = 5000
 # ... and at least this many times the live ones ...
 RATIO = 2.0
-# ... while the horizon has been held back this many seconds: longer than any
-# run-path statement may take (db.DEFAULT_STATEMENT_TIMEOUT).
-HELD_FOR = 10.0
+# ... and, if set, while the horizon has been held back this many seconds.
+HELD_FOR = None
 # pg_try_advisory_xact_lock's key: one compactor at a time.
 ADVISORY_KEY = 0x61676E7401  # "agnt" 1
 
