@@ -10,6 +10,8 @@ The cost is read from the taking transaction's own index counters
 (`pg_stat_get_xact_tuples_returned`) while a held transaction keeps every dead row
 version in the index."""
 
+import contextlib
+
 import psycopg
 import pytest
 
@@ -37,15 +39,11 @@ def uncommitted_event(url: str, user: str, source_id: str) -> tuple[psycopg.Conn
     return conn, event_id
 
 
-def ran(inbox, holder: str, now: int):
-    """Take one run; its events' source ids."""
-    run = inbox.take_work(holder, now=now)
-    return run, [e.source_id for e in run.events] if run else None
-
-
-def test_an_event_committed_after_a_finish_raised_the_mark_past_it_is_taken(
-        database_url, make_inbox):
-    inbox = make_inbox(lease_ttl=TTL)
+@contextlib.contextmanager
+def late_event_below_the_mark(database_url: str, inbox):
+    """User u's event "late" is inserted (its id drawn) but not committed while
+    "next", a higher id, is taken and finished: the finish raises the mark past
+    "late". The block runs before "late" commits, at the block's end."""
     inbox.ingest("u", "chat", "first", {})                   # the user's lease row exists
     run, _ = ran(inbox, "H", T)
     assert inbox.finish_run(run, Result(), now=T)
@@ -56,7 +54,21 @@ def test_an_event_committed_after_a_finish_raised_the_mark_past_it_is_taken(
         assert ids == ["next"]
         assert inbox.finish_run(run, Result(), now=T)
         assert open_from(database_url, "u") > late_id        # the finish could not see it
+        yield
         late.commit()
+
+
+def ran(inbox, holder: str, now: int):
+    """Take one run; its events' source ids."""
+    run = inbox.take_work(holder, now=now)
+    return run, [e.source_id for e in run.events] if run else None
+
+
+def test_an_event_committed_after_a_finish_raised_the_mark_past_it_is_taken(
+        database_url, make_inbox):
+    inbox = make_inbox(lease_ttl=TTL)
+    with late_event_below_the_mark(database_url, inbox):
+        pass
     run, ids = ran(inbox, "H2", T)
     assert ids == ["late"]
     assert inbox.finish_run(run, Result(), now=T)
@@ -69,19 +81,10 @@ def test_a_take_that_looks_at_a_held_user_carries_the_mark_of_the_wake_it_delete
     replaces it by one at the lease's end, which must name the late event, for
     the run's finish raised the lease's mark past it."""
     inbox = make_inbox(lease_ttl=TTL)
-    inbox.ingest("u", "chat", "first", {})
-    run, _ = ran(inbox, "H", T)
-    assert inbox.finish_run(run, Result(), now=T)
-    late, late_id = uncommitted_event(database_url, "u", "late")
-    with late:
-        inbox.ingest("u", "chat", "next", {})
-        run, ids = ran(inbox, "H", T)
-        assert ids == ["next"]
-        assert inbox.finish_run(run, Result(), now=T)        # the mark: past `late`
+    with late_event_below_the_mark(database_url, inbox):
         inbox.ingest("u", "chat", "held", {})
         held, ids = ran(inbox, "H", T)                       # the lease held from here
         assert ids == ["held"]
-        late.commit()
     assert inbox.take_work("H2", now=T) is None              # looked at `late`'s wake: held
     assert inbox.finish_run(held, Result(), now=T)
     run, ids = ran(inbox, "H3", T)
@@ -93,16 +96,8 @@ def test_a_run_that_crashed_after_taking_an_event_below_the_mark_is_taken_again(
     """The take deleted the late event's wake and claimed it; its run crashed,
     so no finish lowered the mark: the wake at the lease's end carries it."""
     inbox = make_inbox(lease_ttl=TTL)
-    inbox.ingest("u", "chat", "first", {})
-    run, _ = ran(inbox, "H", T)
-    assert inbox.finish_run(run, Result(), now=T)
-    late, late_id = uncommitted_event(database_url, "u", "late")
-    with late:
-        inbox.ingest("u", "chat", "next", {})
-        run, ids = ran(inbox, "H", T)
-        assert inbox.finish_run(run, Result(), now=T)
-        assert open_from(database_url, "u") > late_id
-        late.commit()
+    with late_event_below_the_mark(database_url, inbox):
+        pass
     crashed, ids = ran(inbox, "H2", T)
     assert ids == ["late"]                                   # and never finished
     again, ids = ran(inbox, "H3", T + TTL + 1)
