@@ -18,7 +18,9 @@ WORKER_APPS = ("agent-inbox-worker", "agent-inbox-listener")
 
 class ConnectionSampler(threading.Thread):
     """Samples pg_stat_activity every 20 ms: the most connections seen at once,
-    per key (`group` is a SQL expression: application_name, usename...)."""
+    per key (`group` is a SQL expression: application_name, usename...).
+    `start()` returns once its connection is open (or has failed), so a test can
+    start it before the processes that fill the server's connection slots."""
 
     def __init__(self, url, database, group="'all'", where="true"):
         super().__init__(daemon=True)
@@ -28,17 +30,24 @@ class ConnectionSampler(threading.Thread):
         self.peak: dict[str, int] = {}
         self.samples = 0
         self.done = threading.Event()
+        self.connected = threading.Event()
         self.failure: Exception | None = None
+
+    def start(self):
+        super().start()
+        self.connected.wait(timeout=30)
 
     def run(self):
         try:
             with psycopg.connect(self.url, autocommit=True) as conn:
+                self.connected.set()
                 while not self.done.wait(0.02):
                     for key, count in conn.execute(self.sql, (self.database,)).fetchall():
                         self.peak[key] = max(self.peak.get(key, 0), count)
                     self.samples += 1
         except Exception as exc:
             self.failure = exc
+            self.connected.set()
 
     def stop(self):
         self.done.set()

@@ -18,7 +18,7 @@ from tests.runtime.test_agents import ConnectionSampler
 
 WORKERS, CONCURRENCY, USERS = 10, 300, 4000
 # max_connections 20 less superuser_reserved_connections 3; every session takes
-# an ordinary slot while one is free, the test's own superuser ones too.
+# an ordinary slot while one is free, the test's own three superuser ones too.
 ORDINARY_SLOTS = 17
 
 
@@ -32,32 +32,35 @@ def test_workers_over_the_servers_connection_limit_all_finish_exactly_once(spawn
                 conn.execute(f"CREATE ROLE budget{n} LOGIN")
                 conn.execute(f"GRANT ALL ON ALL TABLES IN SCHEMA public TO budget{n}")
                 conn.execute(f"GRANT ALL ON ALL SEQUENCES IN SCHEMA public TO budget{n}")
+        # The test's own sessions are all open before the workers start and kept
+        # to the end: a new connection made while ten workers hammer the server
+        # can be refused too, even a superuser's (a refused attempt holds its
+        # process slot until it is turned away, so all 20 can be taken at once).
         sampler = ConnectionSampler(url, database, group="usename", where="usename LIKE 'budget%%'")
         sampler.start()
-        workers = [spawn(*worker_args(pgserver.conninfo.make_conninfo(url, user=f"budget{n}"),
-                                      "async_briefly", "--concurrency", str(CONCURRENCY),
-                                      "--poll-interval", "0.5", "--log-level", "warning"))
-                   for n in range(WORKERS)]
-        # The work arrives once the workers hold every ordinary slot: the ones
-        # still short of their connections are being refused, whatever the timing
-        # (a drain of a few seconds could otherwise end before the last started).
-        wait_until(lambda: scalar(url, "SELECT count(*) FROM pg_stat_activity "
-                                       "WHERE backend_type = 'client backend'") >= ORDINARY_SLOTS,
-                   "the workers to fill the server's ordinary connection slots", timeout=120)
-        with Inbox.connect(url, pool_size=1) as inbox:
+        with psycopg.connect(url, autocommit=True) as observer, \
+                Inbox.connect(url, pool_size=1) as inbox:
+            def count(sql):
+                return observer.execute(sql).fetchone()[0]
+
+            workers = [spawn(*worker_args(pgserver.conninfo.make_conninfo(url, user=f"budget{n}"),
+                                          "async_briefly", "--concurrency", str(CONCURRENCY),
+                                          "--poll-interval", "0.5", "--log-level", "warning"))
+                       for n in range(WORKERS)]
+            # The work arrives once the workers hold every ordinary slot left: the
+            # ones still short of their connections are being refused, whatever the
+            # timing (a drain of a few seconds could otherwise end before the last
+            # started).
+            wait_until(lambda: count("SELECT count(*) FROM pg_stat_activity "
+                                     "WHERE backend_type = 'client backend'") >= ORDINARY_SLOTS,
+                       "the workers to fill the server's ordinary connection slots", timeout=120)
             inbox.ingest_many([(f"u{n:05}", "chat", "1", {}) for n in range(USERS)])
-
-        def done():
-            with psycopg.connect(url, autocommit=True) as conn:
-                return conn.execute("SELECT count(*) FROM events WHERE status = 'done'"
-                                    ).fetchone()[0] == USERS
-
-        try:
-            wait_until(done, "every event to be done", timeout=240)
-        finally:
-            sampler.stop()
-        with psycopg.connect(url, autocommit=True) as conn:
-            bodies = [body for body, in conn.execute("SELECT body FROM outbox").fetchall()]
+            try:
+                wait_until(lambda: count("SELECT count(*) FROM events WHERE status = 'done'") == USERS,
+                           "every event to be done", timeout=240)
+            finally:
+                sampler.stop()
+            bodies = [body for body, in observer.execute("SELECT body FROM outbox").fetchall()]
         event_ids = [body.split()[1] for body in bodies]
         assert len(event_ids) == USERS and len(set(event_ids)) == USERS   # each accepted once
         assert sampler.samples > 0
