@@ -2,8 +2,8 @@
 from minute M (issue 21: "a transaction held open elsewhere must not take the
 inbox down").
 
-    .venv/bin/python -m bench.soak [--minutes 6] [--hold-at 1] [--rate 400] [--users 5000]
-                                   [--workers 2] [--concurrency 32] [--reps 1]
+    .venv/bin/python -m bench.soak [--minutes 6] [--hold-at 1] [--hold-kind idle|dump] [--rate 400]
+                                   [--users 5000] [--workers 2] [--concurrency 32] [--reps 1]
                                    [--explain bench/results/soak_explain.txt]
                                    [--auto-explain-ms 50]
 
@@ -23,7 +23,10 @@ registered (one event each, drained, VACUUM ANALYZE), then for --minutes:
   agent`: `soak_agent`, the same record, then 1 s awaited: W5's shape, for
   which --concurrency must cover rate x 1 s across the workers);
 - on the `held` side, from minute --hold-at to the end, a separate connection
-  runs BEGIN; SELECT txid_current(); and then stays idle in its transaction;
+  runs BEGIN; SELECT txid_current(); and then stays idle in its transaction
+  (`--hold-kind dump`: what `pg_dump` holds while it runs instead, a
+  REPEATABLE READ snapshot and ACCESS SHARE on every table of the schema,
+  which also keeps compaction's rewrite from being granted);
 - every 15 s a sampler reads the backlog (open events), the oldest pending
   event's age, the dead and live tuples and the size of events, leases and wakes,
   and the horizon's age (horizon.read: what the worker's check sees).
@@ -128,17 +131,35 @@ class Ingester(threading.Thread):
             self.error = repr(exc)
 
 
-class Holder:
-    """BEGIN; SELECT txid_current(); then idle in transaction until released."""
+# What `pg_dump` holds from its start to its end: one REPEATABLE READ snapshot
+# (the horizon) and ACCESS SHARE on each table it dumps (no ACCESS EXCLUSIVE
+# lock, so no TRUNCATE, is granted until it ends).
+DUMP_LOCKS = """
+DO $$ DECLARE t regclass; BEGIN
+  FOR t IN SELECT c.oid FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
+            WHERE n.nspname = 'public' AND c.relkind IN ('r', 'p') LOOP
+    EXECUTE format('LOCK TABLE %s IN ACCESS SHARE MODE', t);
+  END LOOP;
+END $$"""
 
-    def __init__(self, url: str):
-        self.url = url
+
+class Holder:
+    """From `hold()` until released: `kind` "idle", BEGIN; SELECT
+    txid_current(); then idle in transaction; "dump", what pg_dump holds
+    (DUMP_LOCKS), then idle in that transaction."""
+
+    def __init__(self, url: str, kind: str = "idle"):
+        self.url, self.kind = url, kind
         self.conn: psycopg.Connection | None = None
         self.pid = self.at = None
 
     def hold(self) -> None:
         self.conn = psycopg.connect(self.url, application_name="soak-held-transaction")
-        self.conn.execute("SELECT txid_current()")
+        if self.kind == "dump":
+            self.conn.isolation_level = psycopg.IsolationLevel.REPEATABLE_READ
+            self.conn.execute(DUMP_LOCKS)
+        else:
+            self.conn.execute("SELECT txid_current()")
         self.pid, self.at = self.conn.info.backend_pid, time.time()
 
     def release(self) -> None:
@@ -271,7 +292,7 @@ def run_side(side: str, args) -> dict:
     if args.auto_explain_ms is not None:
         settings.update(auto_explain_settings(args.auto_explain_ms))
     cluster = pgserver.TemporaryCluster(settings=settings).start()
-    holder = Holder(cluster.url)
+    holder = Holder(cluster.url, args.hold_kind)
     workers = Workers("ours", cluster.url, args.workers, args.concurrency, 1.0, record_dir,
                       scratch, handler=HANDLERS[args.handler])
     try:
@@ -398,6 +419,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--minutes", type=float, default=6)
     parser.add_argument("--hold-at", type=float, default=1, help="minute the hold starts")
+    parser.add_argument("--hold-kind", choices=("idle", "dump"), default="idle",
+                        help="an idle transaction, or what pg_dump holds while it runs")
     parser.add_argument("--rate", type=int, default=400, help="events per second")
     parser.add_argument("--users", type=int, default=5000)
     parser.add_argument("--workers", type=int, default=2)
