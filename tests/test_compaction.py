@@ -274,3 +274,50 @@ def test_the_workers_compactor_counts_what_it_did(make_inbox):
         (t, compaction.COMPACTED) for t in compaction.TABLES]
     assert all(metrics.COMPACTIONS.labels(t, "compacted")._value.get() == counted[t] + 1
                for t in compaction.TABLES)
+
+
+def test_a_table_refused_its_lock_for_long_is_reported_with_who_holds_it(
+        database_url, make_inbox, caplog):
+    """A pg_dump holds ACCESS SHARE on every table until it ends: the compactor
+    says for how long each rewrite has been refused (the gauge), warns once
+    past `warn_after` naming the session holding the lock, not again within
+    `repeat`, and says when it is no longer refused."""
+    inbox = make_inbox(application_name="compactor")
+    churn(inbox, users=5, rounds=2)
+    seconds = [1000.0]
+    compactor = Compactor(inbox, threading.Event(), warn_after=60, repeat=600,
+                          clock=lambda: seconds[0], lock_timeout_ms=100, **FORCED)
+    refused = metrics.COMPACTION_REFUSED_SECONDS
+    caplog.set_level("INFO", logger="agent_inbox.worker")
+    with psycopg.connect(database_url, application_name="nightly-dump") as dump:
+        dump.execute("BEGIN ISOLATION LEVEL REPEATABLE READ")
+        dump.execute("LOCK TABLE wakes IN ACCESS SHARE MODE")
+        dump_pid = dump.info.backend_pid
+
+        looks = {look.table: look.outcome for look in compactor.look()}
+        assert looks == {"wakes": compaction.NOT_GRANTED, "leases": compaction.COMPACTED}
+        assert refused.labels("wakes")._value.get() == 0       # refused just now
+        assert not [r for r in caplog.records if r.levelname == "WARNING"]
+
+        seconds[0] += 59
+        compactor.look()
+        assert refused.labels("wakes")._value.get() == 59
+        assert not [r for r in caplog.records if r.levelname == "WARNING"]
+
+        seconds[0] += 1
+        compactor.look()
+        [warning] = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+        assert warning.startswith("compaction of wakes has been refused its table lock for 60 s")
+        assert f"pid {dump_pid}" in warning and "'nightly-dump'" in warning
+        assert "holds AccessShareLock" in warning
+
+        seconds[0] += 300
+        compactor.look()                                        # within `repeat`: once
+        assert len([r for r in caplog.records if r.levelname == "WARNING"]) == 1
+        assert refused.labels("wakes")._value.get() == 360
+    seconds[0] += 1
+    assert {look.table: look.outcome for look in compactor.look()}["wakes"] == \
+        compaction.COMPACTED
+    assert refused.labels("wakes")._value.get() == 0
+    assert any(r.getMessage() == "compaction of wakes is no longer refused its lock "
+               f"({compaction.COMPACTED}) after 361 s" for r in caplog.records)

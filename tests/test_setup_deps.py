@@ -4,7 +4,6 @@ needs plus a fake `id`, `apt-get` and `pg_ctl`, a fake PostgreSQL layout and a
 fake shared/citus/ whose install.sh records its call. Nothing is installed.
 """
 
-import os
 import shutil
 import subprocess
 from pathlib import Path

@@ -186,6 +186,34 @@ def read(conn: psycopg.Connection) -> Reading:
     return Reading(holders, {table: int(n) for table, n in sorted(row["dead"].items())})
 
 
+# The sessions holding a lock on a table (which a compaction's ACCESS EXCLUSIVE
+# waits for), oldest transaction first, as `holders` reads sessions.
+LOCKERS = """
+SELECT 'session' AS kind, a.pid, a.usename::text AS role, a.application_name,
+       a.client_addr::text AS client, a.state, a.backend_type,
+       a.xact_start::text, a.query_start::text,
+       left(split_part(a.query, E'\\n', 1), 200) AS query, NULL AS name,
+       NULL::int AS age_xids, extract(epoch FROM now() - a.xact_start)::float8 AS age_seconds,
+       string_agg(DISTINCT l.mode, ', ') AS modes
+  FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid
+ WHERE l.locktype = 'relation' AND l.relation = %(table)s::regclass AND l.granted
+   AND l.pid <> pg_backend_pid()
+ GROUP BY a.pid, a.usename, a.application_name, a.client_addr, a.state, a.backend_type,
+          a.xact_start, a.query_start, a.query
+ ORDER BY a.xact_start NULLS LAST
+ LIMIT %(holders)s
+"""
+
+
+def lockers(conn: psycopg.Connection, table: str) -> list[tuple[Holder, str]]:
+    """The sessions holding a lock on `table`, oldest transaction first, each
+    with the modes it holds (what keeps a compaction's rewrite off)."""
+    with conn.cursor(row_factory=dict_row) as cur:
+        rows = cur.execute(LOCKERS, {"table": table, "holders": HOLDERS}).fetchall()
+    return [(Holder(**{k: v for k, v in row.items() if k != "modes"}), row["modes"])
+            for row in rows]
+
+
 def overdue(holder: Holder, warn_after: float, warn_xids: int) -> bool:
     if holder.age_seconds is not None:
         return holder.age_seconds >= warn_after

@@ -66,6 +66,10 @@ DEAD_TUPLES = Gauge("agent_inbox_dead_tuples", "Dead tuples of the inbox's table
 COMPACTIONS = Counter("agent_inbox_compactions_total",
                       "Rewrites of a table without its dead tuples (store/compaction.py), and "
                       "tries whose table lock was not granted in time", ["table", "result"])
+COMPACTION_REFUSED_SECONDS = Gauge(
+    "agent_inbox_compaction_refused_seconds",
+    "How long a table's compaction has been refused its table lock (a pg_dump, another "
+    "session holding a lock on it); 0 once it is granted", ["table"])
 
 
 def count_ingested(source: str, stored: bool) -> None:
