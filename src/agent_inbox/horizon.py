@@ -8,8 +8,9 @@ slot of a standby with hot_standby_feedback) freezes that horizon, and every
 update the inbox makes from then on leaves a row version nobody may remove:
 `leases` (one row per user, updated by every take and finish), `wakes` and
 `events` grow dead tuples, and scans walk them. Workers rewrite `wakes` and
-`leases` without theirs (store/compaction.py); `events`' still slow the inbox
-until the holder ends (bench/soak.py measures it; docs/operating/horizon.md).
+`leases` without theirs (store/compaction.py); each user's scans of
+`events` start at its low-water mark (store/inbox.py), past the versions its
+earlier runs left (bench/soak.py measures it; docs/operating/horizon.md).
 
 `read(conn)` is one plain SELECT (it works through PgBouncer) of the oldest
 holders among pg_stat_activity (backend_xid, backend_xmin; this database's
@@ -20,6 +21,9 @@ tuples of the inbox's tables (pg_stat_user_tables). `Checker` runs it every 30
 s on one connection, taken for the check and given back after it; sets
 the Prometheus gauges and logs a warning naming the holder once it is older
 than `warn_after` seconds, at most once per holder every `repeat` seconds.
+`lockers(conn, table)` reads who holds a lock on a table (a pg_dump holds
+ACCESS SHARE on every table): the compactor names them when its rewrite is
+refused (worker/compactor.py).
 
 A session's age in seconds is counted from its transaction's start when it has
 a transaction id or is idle in its transaction, else from its statement's start
