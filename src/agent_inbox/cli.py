@@ -201,6 +201,7 @@ def run_worker_runtime(args: argparse.Namespace, holder: str) -> int:
                         poll_interval=args.poll_interval, grace=args.grace,
                         run_timeout=args.run_timeout, quarantine=args.quarantine, holder=holder,
                         stop=stop, max_memory=args.max_memory, horizon_warn=args.horizon_warn,
+                        compact_held_for=args.compact_held_for,
                         slot=blame.Slot(int(slot)) if slot else None)
         if predecessor is None:
             require_memory_room(worker)
@@ -352,6 +353,13 @@ def build_parser() -> argparse.ArgumentParser:
                         help="warn when a transaction held open elsewhere has held VACUUM back "
                              "this many seconds (checked every 30 s; 0: no check; README: A "
                              "transaction held open elsewhere)")
+    worker.add_argument("--compact-held-for", type=float,
+                        default=env_default("compact-held-for"), metavar="SECONDS",
+                        help="rewrite wakes and leases without their dead tuples only while "
+                             "something has held VACUUM back this many seconds (default: "
+                             "whenever their dead tuples call for it; this spares a burst "
+                             "about 8 %%, but lets dead wakes build up between autovacuum's "
+                             "passes under a steady load)")
     worker.add_argument("--isolation", default=None, help=argparse.SUPPRESS)
     worker.add_argument("--max-users-per-take", default=None, help=argparse.SUPPRESS)
     worker.set_defaults(run=cmd_worker)

@@ -32,6 +32,8 @@ def test_a_removed_flag_is_refused_with_what_replaced_it(flag, value):
     ({"run_timeout": 0}, "run_timeout must be a positive number of seconds"),
     ({"run_timeout": "15m"}, "run_timeout must be a positive number of seconds"),
     ({"quarantine": 0}, "quarantine must be"),
+    ({"compact_held_for": 0}, "compact_held_for must be a positive number of seconds"),
+    ({"compact_held_for": "10s"}, "compact_held_for must be a positive number of seconds"),
 ])
 def test_bad_worker_options_are_refused(inbox, options, message):
     with pytest.raises(InvalidInput, match=message):

@@ -74,7 +74,8 @@ class Worker:
                  poll_interval: float = 1.0, grace: float = 30.0, run_timeout: float = 900.0,
                  quarantine: int = 2, holder: str | None = None, stop: Stop | None = None,
                  max_memory: int | None = None, slot: blame.Slot | None = None,
-                 horizon_warn: float | None = horizon.WARN_AFTER):
+                 horizon_warn: float | None = horizon.WARN_AFTER,
+                 compact_held_for: float | None = None):
         self.inbox = inbox
         self.app = as_app(handler.load(handler_reference, what="handler or app"),
                           handler_reference)
@@ -86,6 +87,10 @@ class Worker:
         self.poll_interval = poll_interval
         self.grace = grace
         self.horizon_warn = horizon_warn  # None or 0: no horizon check (horizon.py)
+        # None: compact whatever the horizon; else only while it has been held
+        # back this many seconds (store/compaction.py, held_for)
+        self.compact_held_for = (None if compact_held_for is None
+                                 else _positive_seconds("compact_held_for", compact_held_for))
         self.holder = holder or holder_id()
         self.stop = stop or Stop()
         self.waker = Waker(1)
@@ -191,7 +196,8 @@ class Worker:
             horizon.Checker.for_pool(self.inbox.pool, self.stop.event,
                                      warn_after=self.horizon_warn).start()
         if compactor.INTERVAL > 0:
-            compactor.Compactor(self.inbox, self.stop.event).start()
+            compactor.Compactor(self.inbox, self.stop.event,
+                                held_for=self.compact_held_for).start()
         done = threading.Event()
         parts = [threading.Thread(target=self.completer.serve, args=(done,),
                                   name="agent-inbox-completer", daemon=True),
