@@ -78,14 +78,25 @@ SELECT count(*) FILTER (WHERE status IN ('pending', 'running')),
          - min(created_at) FILTER (WHERE status = 'pending')
   FROM events WHERE status IN ('pending', 'running')
 """
+# A partition's figures (wakes': migration 0011) under its table's and index's names.
 STATS = """
-SELECT relname, n_live_tup, n_dead_tup, pg_total_relation_size(relid),
-       autovacuum_count, extract(epoch FROM now() - last_autovacuum)::float8
-  FROM pg_stat_user_tables WHERE relname = ANY(%s)
+SELECT coalesce(p.relname, s.relname), sum(s.n_live_tup), sum(s.n_dead_tup),
+       sum(pg_total_relation_size(s.relid)), sum(s.autovacuum_count),
+       min(extract(epoch FROM now() - s.last_autovacuum))::float8
+  FROM pg_stat_user_tables s
+  LEFT JOIN pg_inherits i ON i.inhrelid = s.relid LEFT JOIN pg_class p ON p.oid = i.inhparent
+ WHERE coalesce(p.relname, s.relname) = ANY(%s)
+ GROUP BY 1
 """
 INDEX_STATS = """
-SELECT relname, indexrelname, idx_scan, idx_tup_read, idx_tup_fetch
-  FROM pg_stat_user_indexes WHERE relname = ANY(%s) ORDER BY relname, indexrelname
+SELECT coalesce(p.relname, s.relname), coalesce(pi.relname, s.indexrelname),
+       sum(s.idx_scan), sum(s.idx_tup_read), sum(s.idx_tup_fetch)
+  FROM pg_stat_user_indexes s
+  LEFT JOIN pg_inherits i ON i.inhrelid = s.relid LEFT JOIN pg_class p ON p.oid = i.inhparent
+  LEFT JOIN pg_inherits ii ON ii.inhrelid = s.indexrelid
+  LEFT JOIN pg_class pi ON pi.oid = ii.inhparent
+ WHERE coalesce(p.relname, s.relname) = ANY(%s)
+ GROUP BY 1, 2 ORDER BY 1, 2
 """
 EXPLAIN = "EXPLAIN (ANALYZE, BUFFERS, COSTS OFF, TIMING OFF) "
 EXPLAIN_USERS = 32  # users the explained take asks for (a worker's takes ask for its free places)

@@ -334,6 +334,7 @@ def distribute(url: str, *, shard_count: int = 32) -> bool:
         with conn.transaction():
             conn.execute(BUCKET_FUNCTION)
             conn.execute("DROP TRIGGER IF EXISTS events_inserted ON events")
+            _one_wakes_table(conn)
             _add_buckets(conn, user_tables)
             for statement in BUCKET_INDEXES:
                 conn.execute(statement)
@@ -348,6 +349,40 @@ def distribute(url: str, *, shard_count: int = 32) -> bool:
                 conn.execute("SELECT create_reference_table(%s)", (table,))
         delegated.install(conn)
     return True
+
+
+# `wakes` as one table, as it was before migration 0011 partitioned it into
+# rings: workers do not rotate it on Citus (store/wake_rings.py), and the
+# statements that read it here name no ring.
+ONE_WAKES_TABLE = (
+    "ALTER TABLE wakes RENAME TO wakes_in_rings",
+    "ALTER INDEX pk_wakes RENAME TO pk_wakes_in_rings",
+    "ALTER INDEX ix_wakes_at RENAME TO ix_wakes_at_in_rings",
+    """CREATE TABLE wakes (
+           user_id text NOT NULL,
+           id bigint GENERATED ALWAYS AS IDENTITY,
+           at bigint NOT NULL,
+           from_id bigint,
+           CONSTRAINT pk_wakes PRIMARY KEY (user_id, id))""",
+    "CREATE INDEX ix_wakes_at ON wakes (at, id)",
+    """INSERT INTO wakes (user_id, id, at, from_id) OVERRIDING SYSTEM VALUE
+       SELECT user_id, id, at, from_id FROM wakes_in_rings""",
+    """SELECT setval(pg_get_serial_sequence('wakes', 'id'),
+                     coalesce((SELECT max(id) FROM wakes_in_rings), 0) + 1, false)""",
+    "DROP TABLE wakes_in_rings, wakes_ring",
+    "DROP FUNCTION agent_inbox_wake_ring()",
+    "DROP SEQUENCE wakes_insert_ring",
+)
+
+
+def _one_wakes_table(conn: psycopg.Connection) -> None:
+    """Lay a partitioned `wakes` (migration 0011) out as ONE_WAKES_TABLE."""
+    partitioned = conn.execute(
+        "SELECT EXISTS (SELECT 1 FROM pg_partitioned_table WHERE partrelid = 'wakes'::regclass)"
+    ).fetchone()[0]
+    if partitioned:
+        for statement in ONE_WAKES_TABLE:
+            conn.execute(statement)
 
 
 def _add_buckets(conn: psycopg.Connection, tables) -> None:

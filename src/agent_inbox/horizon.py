@@ -57,7 +57,7 @@ log = logging.getLogger("agent_inbox.horizon")
 # The inbox's tables (schema.metadata's, checked by a test), for their dead tuples.
 TABLES = ("console_sessions", "default_policies", "deliveries", "events", "leases", "limits",
           "memory", "operator_actions", "outbox", "permit_decisions", "policies", "run_stats",
-          "steps", "timers", "wakes")
+          "steps", "timers", "wakes", "wakes_ring")
 
 # seconds between checks (AGENT_INBOX_HORIZON_INTERVAL)
 INTERVAL = float(os.environ.get("AGENT_INBOX_HORIZON_INTERVAL", "30"))
@@ -100,9 +100,14 @@ SELECT (SELECT coalesce(json_agg(h), '[]')
           FROM (SELECT * FROM holders
                  ORDER BY age_xids DESC NULLS LAST, age_seconds DESC NULLS LAST
                  LIMIT %(holders)s) h) AS holders,
-       (SELECT coalesce(json_object_agg(relname, n_dead_tup), '{}')
-          FROM pg_stat_user_tables
-         WHERE schemaname = ANY(current_schemas(false)) AND relname = ANY(%(tables)s)) AS dead
+       (SELECT coalesce(json_object_agg(name, dead), '{}')
+          FROM (SELECT coalesce(p.relname, s.relname) AS name, sum(s.n_dead_tup) AS dead
+                  FROM pg_stat_user_tables s  -- a partition's under its table's name
+                  LEFT JOIN pg_inherits i ON i.inhrelid = s.relid
+                  LEFT JOIN pg_class p ON p.oid = i.inhparent
+                 WHERE s.schemaname = ANY(current_schemas(false))
+                   AND coalesce(p.relname, s.relname) = ANY(%(tables)s)
+                 GROUP BY 1) t) AS dead
 """
 
 

@@ -92,21 +92,41 @@ leases = sa.Table(
 # trigger, finish with release, release, hand-back, requeue); deleted by the
 # take that looked at the user (store/inbox.py, TAKE_WORK) and by a finish with
 # release. Only inserted and deleted: an ingest never waits on a wake's lock.
-# Workers rewrite the table without its dead row versions when they pile up
-# (store/compaction.py): a held xmin horizon must not slow finding work.
+# Partitioned by `ring` (migration 0011): workers move the live wakes to a clean
+# ring when the dead ones pile up and the run path reads the live rings only
+# (store/wake_rings.py): a held xmin horizon, even a pg_dump's, must not slow
+# finding work. The partitions (`wakes_<ring>`) are made by the migration and
+# by rotations, not described here.
 wakes = sa.Table(
     "wakes",
     metadata,
     sa.Column("user_id", sa.Text, nullable=False),
-    sa.Column("id", sa.BigInteger, sa.Identity(always=True), nullable=False),
+    sa.Column("id", sa.BigInteger, nullable=False,
+              server_default=sa.text("nextval('wakes_ids')")),
     sa.Column("at", sa.BigInteger, nullable=False),
     # The lowest id of the open events this wake stands for, where it may be
     # below the lease's `open_from` (new events, requeued ones, a wake carried
     # over from deleted ones); NULL for a wake that stands for no event.
     sa.Column("from_id", sa.BigInteger),
-    sa.PrimaryKeyConstraint("user_id", "id"),
+    # The partition: where `wakes_insert_ring` said new wakes go when it was
+    # inserted, or where a rotation moved it.
+    sa.Column("ring", sa.SmallInteger, nullable=False,
+              server_default=sa.text("agent_inbox_wake_ring()")),
+    sa.PrimaryKeyConstraint("user_id", "id", "ring"),
+    postgresql_partition_by="LIST (ring)",
 )
 sa.Index("ix_wakes_at", wakes.c.at, wakes.c.id)
+
+# The ring the last rotation moved the live wakes to (one row); with the
+# sequence `wakes_insert_ring` (where new wakes go), the rings the run path reads.
+wakes_ring = sa.Table(
+    "wakes_ring",
+    metadata,
+    sa.Column("ring", sa.SmallInteger, nullable=False),
+    sa.Column("one", sa.Boolean, nullable=False, server_default=sa.true()),
+    sa.PrimaryKeyConstraint("one"),
+    sa.CheckConstraint("one", name="one"),
+)
 
 # Durable steps (steps.py): what a run's `ctx.step` calls returned, recorded
 # under the run's lease fence so that a later attempt at the same events

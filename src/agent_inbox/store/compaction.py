@@ -12,13 +12,15 @@ removing them (horizon.py), those versions pile up and every take walks them:
 ~6,000 without the hold, and ~220 buffers per lease read after eight
 (docs/operating/horizon.md).
 
-COMPACT rewrites such a table with its live rows only, the way PgQ rotates its
-event tables: under an ACCESS EXCLUSIVE lock it copies the rows every snapshot
-from now on would see, TRUNCATEs the table (new, empty files: no dead version
-or index entry is left, whatever the horizon) and inserts the copies back,
-every column as it was (a wake's id and time, a lease's holder, generation and
-expiry). The held transaction never sees the difference (it never read the
-table, or the lock would not have been granted).
+`wakes` is rotated: its live wakes move to a clean partition, which needs no
+lock a pg_dump holds (store/wake_rings.py; a look also truncates the
+partitions earlier rotations retired). COMPACT rewrites `leases` with its live
+rows only, the way PgQ rotates its event tables: under an ACCESS EXCLUSIVE
+lock it copies the rows every snapshot from now on would see, TRUNCATEs the
+table (new, empty files: no dead version or index entry is left, whatever the
+horizon) and inserts the copies back, every column as it was (a lease's
+holder, generation and expiry). The held transaction never sees the
+difference (it never read the table, or the lock would not have been granted).
 
 Invariant (a lost wake is an agent silently gone quiet; a changed lease is a
 broken fence): compaction keeps every row a statement starting after it could
@@ -53,6 +55,8 @@ import dataclasses
 
 import psycopg.errors
 
+from agent_inbox.store import wake_rings
+
 # Asked for the table lock: the most any take, finish or ingest waits behind it.
 LOCK_TIMEOUT_MS = 50
 # Compact once this many dead tuples ...
@@ -69,8 +73,10 @@ TABLES = ("wakes", "leases")
 
 COUNTS = """
 SELECT pg_try_advisory_xact_lock(%(key)s),
-       coalesce((SELECT n_dead_tup FROM pg_stat_user_tables WHERE relid = %(table)s::regclass), 0),
-       coalesce((SELECT n_live_tup FROM pg_stat_user_tables WHERE relid = %(table)s::regclass), 0),
+       coalesce((SELECT sum(n_dead_tup) FROM pg_stat_user_tables
+                  WHERE relid = ANY(%(relations)s::regclass[])), 0)::bigint,
+       coalesce((SELECT sum(n_live_tup) FROM pg_stat_user_tables
+                  WHERE relid = ANY(%(relations)s::regclass[])), 0)::bigint,
        %(held_for)s::float8 IS NULL
        OR EXISTS (SELECT 1 FROM pg_stat_activity a  -- this database's sessions (horizon.py)
                    WHERE (a.backend_xid IS NOT NULL OR a.backend_xmin IS NOT NULL)
@@ -133,19 +139,27 @@ def compact(conn, table: str, *, min_dead: int = MIN_DEAD, ratio: float = RATIO,
     if table not in TABLES:
         raise ValueError(f"compaction is for {', '.join(TABLES)}, not {table!r}")
     with conn.transaction():
+        # wakes: the partitions of its live rings (store/wake_rings.py)
+        relations = wake_rings.relations(conn) if table == "wakes" else [table]
         acquired, dead, live, held = conn.execute(COUNTS, {
-            "key": ADVISORY_KEY, "table": table, "held_for": held_for}).fetchone()
+            "key": ADVISORY_KEY, "relations": relations, "held_for": held_for}).fetchone()
         if not acquired:
             return Compaction(table, BUSY, dead, live)
+        lock_timeout = f"{int(lock_timeout_ms)}ms"
+        conn.execute("SELECT set_config('lock_timeout', %s, true)", (lock_timeout,))
+        if table == "wakes":  # what earlier rotations retired, whatever this look finds
+            wake_rings.retire(conn)
         if dead < max(min_dead, ratio * live):
             return Compaction(table, FEW_DEAD, dead, live)
         if not held:
             return Compaction(table, NOT_HELD, dead, live)
-        conn.execute("SELECT set_config('lock_timeout', %s, true)", (f"{int(lock_timeout_ms)}ms",))
         try:
             with conn.transaction():  # a savepoint: a lock not granted ends only it
-                conn.execute(COMPACT.format(table=table))
+                if table == "wakes":
+                    kept = wake_rings.rotate(conn)
+                else:
+                    conn.execute(COMPACT.format(table=table))
+                    kept = conn.execute(f"SELECT count(*) FROM {table}").fetchone()[0]
         except psycopg.errors.LockNotAvailable:
             return Compaction(table, NOT_GRANTED, dead, live)
-        kept = conn.execute(f"SELECT count(*) FROM {table}").fetchone()[0]
     return Compaction(table, COMPACTED, dead, live, kept)

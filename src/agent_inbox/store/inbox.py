@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from psycopg.rows import class_row
 
 from agent_inbox.records import ClaimPolicy, Event
-from agent_inbox.store import lease, notify, steps
+from agent_inbox.store import lease, notify, steps, wake_rings
 from agent_inbox.store.clock import DB_CLOCK, NOW
 
 EVENT_COLUMNS = (
@@ -75,14 +75,17 @@ def insert_many(conn, rows: list[tuple]) -> list[bool]:
 OPEN = "e.status IN ('pending', 'running')"
 
 
-def carried(user: str) -> str:
+def carried(user: str, rings: bool = True) -> str:
     """The lowest `from_id` among the wakes of `user` this statement's snapshot
     shows (SQL; NULL if none names an event): what a statement that deletes
-    those wakes carries into the wake or the mark it leaves."""
-    return f"(SELECT min(x.from_id) FROM wakes x WHERE x.user_id = {user})"
+    those wakes carries into the wake or the mark it leaves. Read in the live
+    rings only (store/wake_rings.py), unless `rings` is False: a statement
+    sent on Citus too, where `wakes` is one table with no rings."""
+    live = f" AND x.ring IN ({wake_rings.LIVE})" if rings else ""
+    return f"(SELECT min(x.from_id) FROM wakes x WHERE x.user_id = {user}{live})"
 
 
-def low_water(user: str, lease: str = "l") -> str:
+def low_water(user: str, lease: str = "l", rings: bool = True) -> str:
     """The low-water mark of `user` (SQL, `lease` its lease row): no open event
     of the user has a lower id (migration 0010). The lease's `open_from`,
     raised only by a finish that releases the lease, or lower where a wake
@@ -91,8 +94,9 @@ def low_water(user: str, lease: str = "l") -> str:
     with the events it names, so a statement that does not see the wake does
     not see the events either. Every scan of a user's open events on the
     set-based run path starts here, past the dead row versions of the user's
-    finished events that a held xmin horizon keeps in ix_events_open."""
-    return f"least({lease}.open_from, {carried(user)})"
+    finished events that a held xmin horizon keeps in ix_events_open.
+    `rings`: as carried's."""
+    return f"least({lease}.open_from, {carried(user, rings)})"
 
 
 # Invariant 4, as CTEs that follow a CTE `run(user_id, gen, now, from_id)`
@@ -164,9 +168,10 @@ open AS (
 )"""
 
 # For a holder that already holds the lease (claim_batch): the fence, then claim.
+# Sent on Citus too (routed to the user's bucket).
 CLAIM = f"""
 WITH run AS (
-    SELECT l.user_id, l.gen, clock.now, {low_water("l.user_id")} AS from_id
+    SELECT l.user_id, l.gen, clock.now, {low_water("l.user_id", rings=False)} AS from_id
       FROM leases l, (SELECT {NOW} AS now) clock
      WHERE l.user_id = %(user)s AND {lease.fenced("%(holder)s", "%(gen)s", "clock.now")}
 ), {CLAIM_STEPS}
@@ -253,6 +258,7 @@ WITH clock AS (
             LIMIT 1
               FOR UPDATE OF l SKIP LOCKED) l
      WHERE w.at <= (SELECT due FROM clock)  -- a bound of the index scan
+       AND w.ring IN ({wake_rings.LIVE})  -- store/wake_rings.py
      ORDER BY w.at, w.id
      LIMIT (SELECT %(users)s::int)  -- see "The LIMIT" above
 ), reach AS (  -- how far pick read: to its last wake if it took `users`, else every due wake
@@ -263,6 +269,7 @@ WITH clock AS (
     SELECT w.user_id, l.until, l.open_from, clock.now
       FROM clock, (SELECT user_id, at, id FROM wakes
                     WHERE (at, id) < ((SELECT at FROM reach), (SELECT id FROM reach))
+                      AND ring IN ({wake_rings.LIVE})
                     ORDER BY at, id LIMIT {LOOK}) w
       CROSS JOIN LATERAL (  -- each lease by key (LIMIT: never turned into a join)
            SELECT l.until, l.open_from FROM leases l
@@ -294,6 +301,7 @@ WITH clock AS (
 ), slept AS (  -- the wakes this snapshot shows of the users taken or looked at
     DELETE FROM wakes w
      WHERE w.user_id = ANY(ARRAY(SELECT user_id FROM took UNION ALL SELECT user_id FROM looked))
+       AND w.ring IN ({wake_rings.LIVE})
 ), run AS (  -- the lease's mark as locked: one a finish raised after this snapshot
                -- passes only events that finish closed (the claim's re-check
                -- would refuse them anyway)
@@ -463,6 +471,7 @@ WITH clock AS (
                 -- one wake now if it has work left (see TAKE_WORK's invariant)
     DELETE FROM wakes w USING verdict
      WHERE verdict.ok AND %(release)s AND w.user_id = verdict.user_id
+       AND w.ring IN ({wake_rings.LIVE})
 ), woke AS (
     INSERT INTO wakes (user_id, at)
     SELECT verdict.user_id, clock.now FROM verdict JOIN left_open ON left_open.n = verdict.n, clock

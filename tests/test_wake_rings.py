@@ -1,0 +1,147 @@
+"""The ring of `wakes` partitions (store/wake_rings.py): a rotation needs no
+lock a pg_dump holds, takes read the live rings only, a retired ring is
+truncated once nothing holds it and used again, and no wake is lost: not to
+a rotation that failed half-way, nor to an insert whose snapshot is older
+than the rotation.
+
+A pg_dump is played as it behaves: a REPEATABLE READ transaction holding
+ACCESS SHARE on every table of the schema (partitions included) and a
+snapshot, for as long as it runs."""
+
+import re
+
+import psycopg
+import pytest
+
+from agent_inbox import Result
+from agent_inbox.store import compaction, inbox as inbox_store, wake_rings
+from tests.test_compaction import dump_session
+
+T = 1_000_000
+TTL = 30
+FORCED = {"min_dead": 0, "ratio": 0, "held_for": None}  # whatever the dead tuples and horizon
+
+
+def rotate(inbox, **options) -> compaction.Compaction:
+    """One compactor look at wakes (a rotation, forced, and the retiring before it)."""
+    with inbox.pool.connection() as conn:
+        return compaction.compact(conn, "wakes", **{**FORCED, **options})
+
+
+def rings(url: str) -> tuple[list[int], dict[int, bool]]:
+    """The live rings, and every partition's ring: whether it is clean."""
+    with psycopg.connect(url) as conn:
+        return wake_rings.live(conn), wake_rings.partitions(conn)
+
+
+def handle_all(inbox, now: int = T) -> list[tuple[str, str]]:
+    """Take and finish every run there is now; the (user, source_id) handled."""
+    handled = []
+    while (run := inbox.take_work("H", now=now)) is not None:
+        handled += [(run.user, e.source_id) for e in run.events]
+        assert inbox.finish_run(run, Result(), now=now)
+    return handled
+
+
+def test_under_a_dump_the_wakes_move_and_takes_read_the_new_ring_only(database_url, make_inbox):
+    inbox = make_inbox(lease_ttl=TTL)
+    for r in range(5):                                  # dead wakes in ring 0
+        inbox.ingest_many([(f"u{i}", "chat", f"old{r}", {}) for i in range(20)])
+        handle_all(inbox)
+    inbox.ingest_many([(f"u{i}", "chat", "open", {}) for i in range(20)])
+    with dump_session(database_url):
+        done = rotate(inbox, lock_timeout_ms=200)
+        assert done.outcome == compaction.COMPACTED and done.kept == 20
+        assert rings(database_url)[0] == [1]
+        with inbox.pool.connection() as conn, conn.transaction():
+            plan = "\n".join(line for line, in conn.execute(
+                "EXPLAIN (ANALYZE, COSTS OFF, TIMING OFF) " + inbox_store.TAKE_WORK,
+                {"holder": "X", "ttl": TTL, "now": T, "users": 4,
+                 **inbox.policy.params()}).fetchall())
+            raise psycopg.Rollback()  # the take explained is not kept
+        scans = [line.strip() for line in plan.splitlines()
+                 if re.search(r"Scan .*on wakes_\d", line)]
+        assert scans and all("wakes_1" in line or "never executed" in line for line in scans), plan
+        assert any("wakes_0" in line for line in scans), plan       # there, and not read
+
+        assert rotate(inbox, lock_timeout_ms=200).outcome == compaction.COMPACTED
+        assert rings(database_url) == ([2], {0: False, 1: False, 2: False})  # held: not truncated
+    assert rotate(inbox, min_dead=10**9).outcome == compaction.FEW_DEAD   # retires all the same
+    assert rings(database_url) == ([2], {0: True, 1: True, 2: False})
+    assert sorted(handle_all(inbox)) == sorted((f"u{i}", "open") for i in range(20))
+
+
+def test_rings_made_during_a_dump_are_truncated_and_used_again(database_url, make_inbox):
+    """The dump holds the partitions that were there when it began: those it
+    holds dirty stay so until it ends; the ones made since are truncated and
+    used again, so a long dump does not make a partition per rotation."""
+    inbox = make_inbox(lease_ttl=TTL)
+    inbox.ingest("u", "chat", "0", {})
+    with dump_session(database_url):
+        seen = []
+        for n in range(1, 9):
+            inbox.ingest("u", "chat", str(n), {})       # a wake in every ring
+            assert rotate(inbox, lock_timeout_ms=100).outcome == compaction.COMPACTED
+            seen.append(rings(database_url)[0][0])
+        live, partitions = rings(database_url)
+        assert seen[:4] == [1, 2, 3, 4]                 # 1 and 2 were clean; 3 and 4 made
+        assert set(seen[4:]) <= {3, 4}                  # then 3 and 4 by turns
+        assert sorted(partitions) == [0, 1, 2, 3, 4]
+    assert [e for _, e in handle_all(inbox)] == [str(n) for n in range(9)]
+
+
+def test_a_rotation_that_failed_after_moving_the_insert_ring_loses_no_wake(
+        database_url, make_inbox):
+    """Killed between setting the insert ring and naming it in `wakes_ring`:
+    new wakes go to the new ring, the old ones stay where they were, both
+    rings are read, and the next rotation moves both."""
+    inbox = make_inbox(lease_ttl=TTL)
+    inbox.ingest_many([(f"old{i}", "chat", "1", {}) for i in range(5)])
+    with inbox.pool.connection() as conn, pytest.raises(RuntimeError):
+        with conn.transaction():
+            conn.execute("SELECT set_config('lock_timeout', '1s', true)")
+            wake_rings.rotate(conn)
+            raise RuntimeError("the compactor's connection is cut before its commit")
+    assert rings(database_url)[0] == [0, 1]             # wakes_ring: 0; wakes_insert_ring: 1
+    inbox.ingest_many([(f"new{i}", "chat", "1", {}) for i in range(5)])
+    with psycopg.connect(database_url) as conn:
+        assert conn.execute("SELECT ring, count(*) FROM wakes GROUP BY 1 ORDER BY 1").fetchall() \
+            == [(0, 5), (1, 5)]
+    first = inbox.take_runs("H", users=3, now=T)
+    assert sorted(run.user for run in first) == ["old0", "old1", "old2"]   # oldest first
+    assert all(inbox.finish_run(run, Result(), now=T) for run in first)
+
+    assert rotate(inbox).outcome == compaction.COMPACTED
+    assert rings(database_url)[0] == [2]
+    assert sorted(user for user, _ in handle_all(inbox)) == \
+        ["new0", "new1", "new2", "new3", "new4", "old3", "old4"]
+
+
+def test_an_insert_whose_snapshot_is_older_than_the_rotation_goes_to_the_new_ring(
+        database_url, make_inbox):
+    """A REPEATABLE READ transaction's snapshot may predate a rotation it never
+    waited for: its events' wakes still go where takes look (the insert ring
+    is a sequence, read outside any snapshot), and the user is taken."""
+    inbox = make_inbox(lease_ttl=TTL)
+    inbox.ingest("warm", "chat", "1", {})
+    with psycopg.connect(database_url) as app:
+        app.execute("BEGIN ISOLATION LEVEL REPEATABLE READ")
+        app.execute("SELECT count(*) FROM events").fetchone()        # its snapshot, now
+        assert rotate(inbox).outcome == compaction.COMPACTED
+        app.execute("INSERT INTO events (user_id, source, source_id, payload)"
+                    " VALUES ('late', 'chat', '1', '{}')")
+        app.commit()
+    with psycopg.connect(database_url) as conn:
+        assert conn.execute("SELECT user_id, ring FROM wakes ORDER BY 1").fetchall() == [
+            ("late", 1), ("warm", 1)]
+    assert sorted(user for user, _ in handle_all(inbox)) == ["late", "warm"]
+
+
+def test_a_spare_beyond_the_few_kept_is_dropped(database_url, make_inbox):
+    inbox = make_inbox(lease_ttl=TTL)
+    with psycopg.connect(database_url, autocommit=True) as conn:
+        for ring in (3, 4, 5):
+            conn.execute(f"CREATE TABLE wakes_{ring} PARTITION OF wakes FOR VALUES IN ({ring})")
+    rotate(inbox, min_dead=10**9)
+    live, partitions = rings(database_url)
+    assert live == [0] and sorted(partitions) == [0, 1, 2]          # SPARE clean ones kept
