@@ -80,8 +80,8 @@ SELECT count(*) FILTER (WHERE status IN ('pending', 'running')),
 """
 # A partition's figures (wakes': migration 0011) under its table's and index's names.
 STATS = """
-SELECT coalesce(p.relname, s.relname), sum(s.n_live_tup), sum(s.n_dead_tup),
-       sum(pg_total_relation_size(s.relid)), sum(s.autovacuum_count),
+SELECT coalesce(p.relname, s.relname), sum(s.n_live_tup)::bigint, sum(s.n_dead_tup)::bigint,
+       sum(pg_total_relation_size(s.relid))::bigint, sum(s.autovacuum_count)::bigint,
        min(extract(epoch FROM now() - s.last_autovacuum))::float8
   FROM pg_stat_user_tables s
   LEFT JOIN pg_inherits i ON i.inhrelid = s.relid LEFT JOIN pg_class p ON p.oid = i.inhparent
@@ -90,7 +90,7 @@ SELECT coalesce(p.relname, s.relname), sum(s.n_live_tup), sum(s.n_dead_tup),
 """
 INDEX_STATS = """
 SELECT coalesce(p.relname, s.relname), coalesce(pi.relname, s.indexrelname),
-       sum(s.idx_scan), sum(s.idx_tup_read), sum(s.idx_tup_fetch)
+       sum(s.idx_scan)::bigint, sum(s.idx_tup_read)::bigint, sum(s.idx_tup_fetch)::bigint
   FROM pg_stat_user_indexes s
   LEFT JOIN pg_inherits i ON i.inhrelid = s.relid LEFT JOIN pg_class p ON p.oid = i.inhparent
   LEFT JOIN pg_inherits ii ON ii.inhrelid = s.indexrelid
