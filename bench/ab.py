@@ -2,9 +2,10 @@
 
     .venv/bin/python -m bench.ab REV [--reps 3] [--users 5000] [--seconds 10]
 
-REV is a git revision: its src/ is extracted with `git archive` into a temp dir (the
-repository is not touched) and its workers run with PYTHONPATH pointing there; B is the
-working tree. The database schema is the working tree's (migrations/). Writes
+REV is a git revision: its src/ and migrations/ are extracted with `git archive` into a
+temp dir (the repository is not touched) and its workers run with PYTHONPATH pointing
+there; B is the working tree. Each side runs on a database of its own, migrated by its
+own migrations (a schema change is part of what is compared). Writes
 bench/results/ab_<REV>.json and prints medians.
 """
 
@@ -16,8 +17,23 @@ import subprocess
 import sys
 import time
 
+from alembic import command
+from alembic.config import Config
+
+from agent_inbox import migrate
 from bench import workloads as wl
 from bench.common import RESULTS, ROOT, ours_database, resources
+
+
+def migrated_by(migrations: str, server_url: str) -> str:
+    """A new database migrated to head by the migration scripts at `migrations`."""
+    url = resources().database(server_url, "ours")
+    config = Config()
+    config.set_main_option("script_location", migrations)
+    with migrate._connection(url) as connection:
+        config.attributes["connection"] = connection
+        command.upgrade(config, "head")
+    return url
 
 
 def main(argv=None) -> int:
@@ -30,16 +46,18 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     res = resources()
     tree = res.tempdir("ab-src")
-    archive = subprocess.run(["git", "archive", args.rev, "src"], cwd=ROOT, capture_output=True,
-                             check=True).stdout
+    archive = subprocess.run(["git", "archive", args.rev, "src", "migrations"], cwd=ROOT,
+                             capture_output=True, check=True).stdout
     subprocess.run(["tar", "-x", "-C", tree], input=archive, check=True)
     trees = {args.rev: {"PYTHONPATH": f"{tree}/src:{ROOT}"}, "working-tree": {}}
     out: dict = {name: [] for name in trees}
     try:
-        url = ours_database(args.server_url)
+        urls = {args.rev: migrated_by(f"{tree}/migrations", args.server_url),
+                "working-tree": ours_database(args.server_url)}
         for rep in range(args.reps):
             items = list(trees.items())
             for name, env in (items if rep % 2 == 0 else items[::-1]):
+                url = urls[name]
                 wl.OURS_ENV = env
                 a = wl.drain("ours", url, users=args.users, per_user=1, workers=4, concurrency=1,
                              poll=1.0, timeout=600)

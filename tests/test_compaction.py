@@ -173,11 +173,10 @@ def test_a_statement_that_waited_for_compaction_sees_the_rewritten_table(
     the user's wake and free lease (taken), or its run's lease (the finish
     accepted) and next wake. Its statements are prepared (psycopg prepares
     after five uses): a cached plan's locks are taken before its snapshot too.
-    An ingest queued behind a rotation inserts its wake in the new ring,
-    though its trigger's statement took its snapshot before the wait (a
-    PL/pgSQL statement does): the ring comes from a sequence, read outside
-    any snapshot. An uncommitted writer of the table (ROW EXCLUSIVE) holds
-    compaction off meanwhile."""
+    An ingest queued behind a rotation inserts its wake in the new ring
+    (tests/test_wake_rings.py: one whose snapshot is older, too). An
+    uncommitted writer of the table (ROW EXCLUSIVE) holds compaction off
+    meanwhile."""
     inbox = make_inbox(lease_ttl=TTL, application_name="waiter")
     compactor = make_inbox(application_name="compactor")
     for i in range(6):                                          # prepared from here on
