@@ -47,15 +47,15 @@ UPGRADE = [
     "ALTER INDEX pk_wakes RENAME TO pk_wakes_0010",
     "ALTER INDEX ix_wakes_at RENAME TO ix_wakes_at_0010",
     "CREATE SEQUENCE wakes_insert_ring AS smallint MINVALUE 0 START 0",
-    """CREATE FUNCTION agent_inbox_wake_ring() RETURNS smallint LANGUAGE sql VOLATILE
-       AS $$ SELECT last_value::smallint FROM wakes_insert_ring $$""",
+    "SELECT setval('wakes_insert_ring', 0)",  # called: pg_sequence_last_value reads 0, not NULL
     "CREATE SEQUENCE wakes_ids AS bigint",
     """CREATE TABLE wakes (
            user_id text NOT NULL,
            id bigint NOT NULL DEFAULT nextval('wakes_ids'),
            at bigint NOT NULL,
            from_id bigint,
-           ring smallint NOT NULL DEFAULT agent_inbox_wake_ring(),
+           ring smallint NOT NULL
+                DEFAULT pg_sequence_last_value('wakes_insert_ring'::regclass)::smallint,
            CONSTRAINT pk_wakes PRIMARY KEY (user_id, id, ring)
        ) PARTITION BY LIST (ring)""",
     "ALTER SEQUENCE wakes_ids OWNED BY wakes.id",
@@ -92,7 +92,6 @@ DOWNGRADE = [
                      coalesce((SELECT max(id) FROM wakes_0011), 0) + 1, false)""",
     "DROP TABLE wakes_0011",
     "DROP TABLE wakes_ring",
-    "DROP FUNCTION agent_inbox_wake_ring()",
     "DROP SEQUENCE wakes_insert_ring",
 ]
 

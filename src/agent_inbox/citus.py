@@ -370,7 +370,6 @@ ONE_WAKES_TABLE = (
     """SELECT setval(pg_get_serial_sequence('wakes', 'id'),
                      coalesce((SELECT max(id) FROM wakes_in_rings), 0) + 1, false)""",
     "DROP TABLE wakes_in_rings, wakes_ring",
-    "DROP FUNCTION agent_inbox_wake_ring()",
     "DROP SEQUENCE wakes_insert_ring",
 )
 

@@ -111,7 +111,8 @@ wakes = sa.Table(
     # The partition: where `wakes_insert_ring` said new wakes go when it was
     # inserted, or where a rotation moved it.
     sa.Column("ring", sa.SmallInteger, nullable=False,
-              server_default=sa.text("agent_inbox_wake_ring()")),
+              server_default=sa.text(
+                  "pg_sequence_last_value('wakes_insert_ring'::regclass)::smallint")),
     sa.PrimaryKeyConstraint("user_id", "id", "ring"),
     postgresql_partition_by="LIST (ring)",
 )
