@@ -355,7 +355,7 @@ def build_parser() -> argparse.ArgumentParser:
                              "transaction held open elsewhere)")
     worker.add_argument("--compact-held-for", type=float,
                         default=env_default("compact-held-for"), metavar="SECONDS",
-                        help="rewrite wakes and leases without their dead tuples only while "
+                        help="rotate wakes and rewrite leases without their dead tuples only while "
                              "something has held VACUUM back this many seconds (default: "
                              "whenever their dead tuples call for it; this spares a burst "
                              "about 8 %%, but lets dead wakes build up between autovacuum's "

@@ -112,10 +112,11 @@ class Inbox(Runs, Scheduling, Delivery, Permissions):
         return self._path.adopts_held_messages
 
     def compact(self, **options) -> list[compaction.Compaction] | None:
-        """Rewrite `wakes` and `leases` without their dead row versions where
-        they call for it (store/compaction.py: what, when, and why no row is
-        lost or changed); what each look came to, or None on Citus, where it
-        is not done. Workers call it every second."""
+        """Leave the dead row versions of `wakes` (moved to a clean ring:
+        store/wake_rings.py) and `leases` (rewritten) behind where they call
+        for it (store/compaction.py: what, when, and why no row is lost or
+        changed); what each look came to, or None on Citus, where it is not
+        done. Workers call it every second."""
         return self._path.compact(**options)
 
     @property
