@@ -109,28 +109,23 @@ def rotate(conn) -> int:
     return moved
 
 
-def retire(conn) -> tuple[list[int], list[int]]:
+def retire(conn) -> None:
     """Truncate the dirty partitions that are not live and drop the clean
     ones beyond SPARE, each in a savepoint of the caller's transaction (which
     holds the compactors' advisory lock and set `lock_timeout`): a lock not
-    granted leaves that partition for a later look. The rings truncated, and
-    those dropped."""
+    granted leaves that partition for a later look."""
     rings, current = partitions(conn), live(conn)
-    truncated, dropped = [], []
     for ring, empty in rings.items():
-        if ring in current or empty:
-            continue
-        if _try(conn, f"TRUNCATE wakes_{ring}"):
-            truncated.append(ring)
+        if ring not in current and not empty and _try(conn, f"TRUNCATE wakes_{ring}"):
             rings[ring] = True
-    spare = [ring for ring, empty in rings.items() if empty and ring not in current]
-    for ring in sorted(spare, reverse=True)[:max(0, len(spare) - SPARE)]:
-        if _try(conn, f"DROP TABLE wakes_{ring}"):
-            dropped.append(ring)
-    return truncated, dropped
+    spare = sorted((ring for ring, empty in rings.items() if empty and ring not in current),
+                   reverse=True)
+    for ring in spare[:max(0, len(spare) - SPARE)]:
+        _try(conn, f"DROP TABLE wakes_{ring}")
 
 
 def _try(conn, statement: str) -> bool:
+    """Run `statement` in a savepoint; False if a lock it needs was not granted."""
     try:
         with conn.transaction():
             conn.execute(statement)
