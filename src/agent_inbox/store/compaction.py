@@ -138,6 +138,13 @@ def compact(conn, table: str, *, min_dead: int = MIN_DEAD, ratio: float = RATIO,
     is changed."""
     if table not in TABLES:
         raise ValueError(f"compaction is for {', '.join(TABLES)}, not {table!r}")
+    lock_timeout = f"{int(lock_timeout_ms)}ms"
+    if table == "wakes":  # what earlier rotations retired, whatever this look finds;
+        with conn.transaction():  # committed at once: it holds the locks it had
+            if conn.execute("SELECT pg_try_advisory_xact_lock(%s)",
+                            (ADVISORY_KEY,)).fetchone()[0]:
+                conn.execute("SELECT set_config('lock_timeout', %s, true)", (lock_timeout,))
+                wake_rings.retire(conn)
     with conn.transaction():
         # wakes: the partitions of its live rings (store/wake_rings.py)
         relations = wake_rings.relations(conn) if table == "wakes" else [table]
@@ -145,10 +152,7 @@ def compact(conn, table: str, *, min_dead: int = MIN_DEAD, ratio: float = RATIO,
             "key": ADVISORY_KEY, "relations": relations, "held_for": held_for}).fetchone()
         if not acquired:
             return Compaction(table, BUSY, dead, live)
-        lock_timeout = f"{int(lock_timeout_ms)}ms"
         conn.execute("SELECT set_config('lock_timeout', %s, true)", (lock_timeout,))
-        if table == "wakes":  # what earlier rotations retired, whatever this look finds
-            wake_rings.retire(conn)
         if dead < max(min_dead, ratio * live):
             return Compaction(table, FEW_DEAD, dead, live)
         if not held:
@@ -162,4 +166,11 @@ def compact(conn, table: str, *, min_dead: int = MIN_DEAD, ratio: float = RATIO,
                     kept = conn.execute(f"SELECT count(*) FROM {table}").fetchone()[0]
         except psycopg.errors.LockNotAvailable:
             return Compaction(table, NOT_GRANTED, dead, live)
+    if table == "wakes":
+        try:
+            with conn.transaction():
+                conn.execute("SELECT set_config('lock_timeout', %s, true)", (lock_timeout,))
+                wake_rings.analyze(conn)
+        except psycopg.errors.LockNotAvailable:
+            pass  # another ANALYZE (autovacuum's) has it
     return Compaction(table, COMPACTED, dead, live, kept)
