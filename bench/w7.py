@@ -54,7 +54,12 @@ from bench.common import (RESULTS, open_count_query, resources, server_cpu_secon
 from bench.run import FULL, machine
 
 OUT = RESULTS / "w7.json"
-SIDES = ("plain", "citus")
+# W1 runs on three sides: one plain server, Citus through the coordinator, and
+# Citus with the workers' take and finish calls sent straight to the worker
+# nodes (`--citus-nodes direct`, on the same cluster and database); the take
+# at scale on the first two.
+SIDES = ("plain", "citus", "direct")
+TAKE_SIDES = ("plain", "citus")
 ROLE = "bench_w7_inbox"            # the agent-inbox code's own role on every node
 TAKES_PROFILED = 50
 POLL_CALIBRATION_S = 5.0
@@ -78,21 +83,25 @@ class Side:
     connect), the database the workloads run in, and the probes around a
     measured window."""
 
-    def __init__(self, name: str, nodes: list[pgserver.TemporaryCluster], cluster=None):
+    def __init__(self, name: str, nodes: list[pgserver.TemporaryCluster], cluster=None,
+                 worker_args: list[str] = ()):
         self.name, self.nodes, self.cluster = name, nodes, cluster
+        self.worker_args = list(worker_args)   # added to the W1 workers' command
         self.node_names = ["server"] if cluster is None else \
             ["coordinator", *(f"worker{n}" for n in range(1, len(nodes)))]
-        # The role on every node (Citus would propagate it, but only to the nodes
-        # of the database it is made in); the extension on the first (Citus
-        # propagates it, and refuses it on a worker).
-        for node in nodes:
+        self.poll_cpu_per_s: list[float] = [0.0] * len(nodes)
+
+    def create_role(self) -> None:
+        """The role on every node (Citus would propagate it, but only to the nodes
+        of the database it is made in); the extension on the first (Citus
+        propagates it, and refuses it on a worker)."""
+        for node in self.nodes:
             with psycopg.connect(node.url, autocommit=True) as conn:
-                if cluster is not None:
+                if self.cluster is not None:
                     conn.execute("SET citus.enable_create_role_propagation = off")
                 conn.execute(f"CREATE ROLE {ROLE} LOGIN SUPERUSER")
-        with psycopg.connect(nodes[0].url, autocommit=True) as conn:
+        with psycopg.connect(self.nodes[0].url, autocommit=True) as conn:
             conn.execute("CREATE EXTENSION pg_stat_statements")
-        self.poll_cpu_per_s: list[float] = [0.0] * len(nodes)
 
     @property
     def citus(self) -> bool:
@@ -203,7 +212,7 @@ def w1(side: Side, url: str, cfg: dict) -> dict:
     result = workloads.drain("ours", url, **cfg["w1"], workers=cfg["workers"],
                              concurrency=cfg["ours_concurrency"], poll=cfg["poll_interval"],
                              timeout=cfg["drain_timeout"], worker_url=side.as_inbox(url),
-                             on_loaded=window.open)
+                             worker_args=side.worker_args, on_loaded=window.open)
     result["window"] = window.close(net_of_poll=True)
     result["per_run"] = per_unit(result["window"], result["runs"])
     return result
@@ -257,8 +266,12 @@ def start_sides(stack: list) -> dict[str, Side]:
     stack.append(plain)
     cluster = pgserver.CitusCluster(workers=2, settings=CITUS_STATS).start()
     stack.append(cluster)
-    return {"plain": Side("plain", [plain]),
-            "citus": Side("citus", cluster.nodes, cluster=cluster)}
+    sides = {"plain": Side("plain", [plain]), "citus": Side("citus", cluster.nodes, cluster=cluster)}
+    for side in sides.values():
+        side.create_role()
+    sides["direct"] = Side("direct", cluster.nodes, cluster=cluster,   # the role made above
+                           worker_args=["--citus-nodes", "direct"])
+    return sides
 
 
 def median_of(runs: list[dict], *path) -> float:
@@ -291,21 +304,22 @@ def top_statements(window: dict, units: int, limit: int = 8) -> dict:
 
 def report(results: dict) -> list[str]:
     lines = []
-    take_med = {s: median_of(results["take"][s], "median_ms") for s in SIDES}
-    lines.append(f"{'':44} {'plain':>10} {'citus':>10} {'citus/plain':>12}")
+    take_med = {s: median_of(results["take"][s], "median_ms") for s in TAKE_SIDES}
+    lines.append(f"{'':40} {'plain':>8} {'citus':>8} {'direct':>8} {'citus/plain':>12} "
+                 f"{'direct/plain':>12}")
     for key, title in (("events_per_s", "W1 events/s (wall, median)"),
                        ("events_per_s_drain", "W1 events/s (drain, median)"),
                        ("runs_per_s_drain", "W1 runs/s (drain, median)")):
         med = {s: median_of(results["w1"][s], key) for s in SIDES}
-        lines.append(f"{title:44} {med['plain']:10.0f} {med['citus']:10.0f} "
-                     f"{med['citus'] / med['plain']:12.3f}")
-    lines.append(f"{'take_work ms at %d users (median)' % results['config']['take_users']:44} "
-                 f"{take_med['plain']:10.2f} {take_med['citus']:10.2f} "
+        lines.append(f"{title:40} {med['plain']:8.0f} {med['citus']:8.0f} {med['direct']:8.0f} "
+                     f"{med['citus'] / med['plain']:12.3f} {med['direct'] / med['plain']:12.3f}")
+    lines.append(f"{'take_work ms at %d users (median)' % results['config']['take_users']:40} "
+                 f"{take_med['plain']:8.2f} {take_med['citus']:8.2f} {'':8} "
                  f"{take_med['citus'] / take_med['plain']:12.2f}")
-    for title, key, unit in (("W1, per run", "w1", "per_run"),
-                             ("one take at scale", "take", "per_take")):
+    for title, key, unit, sides in (("W1, per run", "w1", "per_run", SIDES),
+                                    ("one take at scale", "take", "per_take", TAKE_SIDES)):
         lines.append(f"{title} (medians over repetitions):")
-        for side in SIDES:
+        for side in sides:
             per = results[key][side][0][unit]
             for node in results["nodes"][side]:
                 fig = {k: median_of(results[key][side], unit, node, k)
@@ -342,20 +356,23 @@ def main(argv=None) -> int:
 
     started = time.monotonic()
     servers: list = []
-    results = {"w1": {s: [] for s in SIDES}, "take": {s: [] for s in SIDES}}
+    results = {"w1": {s: [] for s in SIDES}, "take": {s: [] for s in TAKE_SIDES}}
     try:
         sides = start_sides(servers)
         about = machine(sides["plain"].nodes[0].url)
-        w1_urls = {name: side.database(f"bench_w7_w1_{name}") for name, side in sides.items()}
-        for name, side in sides.items():
+        w1_urls = {name: sides[name].database(f"bench_w7_w1_{name}") for name in TAKE_SIDES}
+        w1_urls["direct"] = w1_urls["citus"]          # the same database, drained afresh
+        for name in TAKE_SIDES:
+            side = sides[name]
             side.calibrate_poll(w1_urls[name])
             print(f"{name}: the drain's poll alone costs "
                   + ", ".join(f"{n} {1000 * c:.1f} ms/s" for n, c in
                               zip(side.node_names, side.poll_cpu_per_s)), flush=True)
+        sides["direct"].poll_cpu_per_s = sides["citus"].poll_cpu_per_s   # the same servers
         take_urls = {}
-        for name, side in sides.items():
+        for name in TAKE_SIDES:
             t = time.monotonic()
-            take_urls[name] = take_setup(side, cfg)
+            take_urls[name] = take_setup(sides[name], cfg)
             print(f"{name}: take database at {cfg['take_users']} users loaded in "
                   f"{time.monotonic() - t:.0f} s", flush=True)
         serial = [0]
@@ -367,7 +384,7 @@ def main(argv=None) -> int:
                 print(f"rep {rep + 1} {name:5} W1: {r['events_per_s']:7.0f} events/s, "
                       f"{r['runs']} runs, exactly once: {r['check']['ok']}, two-phase commits: "
                       f"{r['window']['two_phase_commits']}", flush=True)
-            for name in order:
+            for name in (TAKE_SIDES if rep % 2 == 0 else TAKE_SIDES[::-1]):
                 r = take(sides[name], take_urls[name], cfg, serial)
                 results["take"][name].append(r)
                 print(f"rep {rep + 1} {name:5} take: {r['median_ms']:.2f} ms median", flush=True)
@@ -382,6 +399,7 @@ def main(argv=None) -> int:
                                     "w1", "w4", "take_users")},
         nodes={name: side.node_names for name, side in sides.items()},
         settings={"plain": STATS, "citus": {**pgserver.CITUS_SETTINGS, **CITUS_STATS},
+                  "direct": "citus's, with the W1 workers at --citus-nodes direct",
                   "buckets": citus.BUCKETS},
         poll_cpu_per_s={name: dict(zip(side.node_names, side.poll_cpu_per_s))
                         for name, side in sides.items()},

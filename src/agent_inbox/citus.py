@@ -41,9 +41,10 @@ import math
 import re
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import psycopg
+from psycopg.conninfo import make_conninfo
 
 from agent_inbox import db, errors
 from agent_inbox.store import notify
@@ -111,16 +112,18 @@ def by_bucket(items: list, user_of) -> list[list]:
     return [groups[b] for b in sorted(groups)]
 
 
-# Which buckets each worker node holds: one array per node, from the
-# coordinator's own metadata (the shard whose hash range holds each bucket's
-# hash, and where that shard is placed).
+# Which buckets each worker node holds, and the node's address as the
+# coordinator reaches it: a row per node, from the coordinator's own metadata
+# (the shard whose hash range holds each bucket's hash, where that shard is
+# placed, and that group's primary node).
 NODE_BUCKETS = f"""
-SELECT array_agg(b ORDER BY b)
+SELECT array_agg(b ORDER BY b), n.nodename, n.nodeport
   FROM generate_series(0, {BUCKETS - 1}) b
   JOIN pg_dist_shard s ON s.logicalrelid = 'leases'::regclass
    AND worker_hash(b) BETWEEN s.shardminvalue::int AND s.shardmaxvalue::int
   JOIN pg_dist_placement p ON p.shardid = s.shardid
- GROUP BY p.groupid
+  JOIN pg_dist_node n ON n.groupid = p.groupid AND n.noderole = 'primary'
+ GROUP BY p.groupid, n.nodename, n.nodeport
  ORDER BY p.groupid
 """
 
@@ -152,6 +155,7 @@ class NodeMap:
 
     def __init__(self):
         self._groups: list[list[int]] = []
+        self._addresses: dict[int, tuple[str, int]] = {}  # bucket -> its node (host, port)
         self._read_at = -math.inf
         self._warned: dict[tuple[int, ...], float] = {}
         self._hung: dict[tuple[int, ...], float] = {}  # a node's buckets: set aside until
@@ -160,9 +164,16 @@ class NodeMap:
 
     def groups(self, conn: psycopg.Connection) -> list[list[int]]:
         if time.monotonic() - self._read_at > NODE_MAP_TTL:
-            self._groups = [buckets for buckets, in conn.execute(NODE_BUCKETS).fetchall()]
+            nodes = conn.execute(NODE_BUCKETS).fetchall()
+            self._groups = [buckets for buckets, _, _ in nodes]
+            self._addresses = {bucket: (host, port) for buckets, host, port in nodes
+                               for bucket in buckets}
             self._read_at = time.monotonic()
         return self._groups
+
+    def address(self, bucket: int) -> tuple[str, int] | None:
+        """The (host, port) of `bucket`'s node as last read; None before a read."""
+        return self._addresses.get(bucket)
 
     def skipped(self, buckets: list[int], exc: BaseException) -> None:
         """Log that a node's buckets were skipped: at most once per
@@ -237,6 +248,87 @@ def node_may_fail(conn: psycopg.Connection, failures: list, nodes: "NodeMap | No
         failures.append(exc)
         if nodes is not None:
             nodes.failed(buckets, exc, time.monotonic() - began)
+
+
+NODES = ("coordinator", "direct")
+"""Where the run path sends its take and finish calls on Citus (Inbox.connect's
+`citus_nodes`): through the coordinator, or straight to the worker node that
+holds the bucket (NodePools)."""
+
+
+IDLE_CHECK_S = 1.0
+"""A node's kept connection idle this long is checked (an empty query) before
+it is used again: a node restarted meanwhile has closed it."""
+
+
+class NodePools:
+    """Connections to each worker node, opened when wanted and kept for the
+    next call (at most `size` idle per node), for the calls the run path sends
+    straight to the node that holds their bucket (`citus_nodes="direct"`):
+    Citus routes a statement from any node (every node has the metadata since
+    Citus 11), so a call sent to the bucket's own node runs there, and the
+    coordinator neither plans nor relays it. Each node's address is the one
+    the coordinator reaches it by (NodeMap, from pg_dist_node), with the rest
+    of the coordinator's URL (database, role, password, options); a bucket
+    moved since the map's last read is still found by its old node, which
+    relays the call, until the map is read again.
+
+    Not a psycopg_pool: a call about a node that refuses connections fails at
+    once, as it does through the coordinator (a pool waits out its timeout for
+    a connection it cannot make, so the node would look hung); one that does
+    not answer fails after `connect_timeout` (NodeMap then sets it aside). A
+    kept connection is checked before use only after IDLE_CHECK_S idle: a
+    round trip per call would cost what sending the call straight saves."""
+
+    def __init__(self, url: str, nodes: NodeMap,
+                 connect: Callable[[str], psycopg.Connection], size: int):
+        self._url, self._nodes, self._connect, self._size = url, nodes, connect, size
+        self._idle: dict[tuple[str, int], list[tuple[psycopg.Connection, float]]] = {}
+        self._lock = threading.Lock()
+
+    @contextlib.contextmanager
+    def connection(self, bucket: int) -> Iterator[psycopg.Connection]:
+        """A connection to `bucket`'s node (whose address the map knows), kept
+        for the next call unless it broke or was left in a transaction;
+        psycopg.OperationalError if none can be had."""
+        address = self._nodes.address(bucket)
+        conn = self._kept(address) or self._connect(
+            make_conninfo(self._url, host=address[0], port=address[1]))
+        try:
+            yield conn
+        finally:
+            self._keep(address, conn)
+
+    def _kept(self, address) -> psycopg.Connection | None:
+        while True:
+            with self._lock:
+                kept = self._idle.get(address)
+                if not kept:
+                    return None
+                conn, idle_since = kept.pop()
+            if time.monotonic() - idle_since <= IDLE_CHECK_S:
+                return conn
+            try:
+                conn.execute("")
+                return conn
+            except psycopg.Error:  # closed under us: the node restarted
+                conn.close()
+
+    def _keep(self, address, conn: psycopg.Connection) -> None:
+        if not (conn.closed or conn.broken
+                or conn.info.transaction_status != psycopg.pq.TransactionStatus.IDLE):
+            with self._lock:
+                kept = self._idle.setdefault(address, [])
+                if len(kept) < self._size:
+                    kept.append((conn, time.monotonic()))
+                    return
+        conn.close()
+
+    def close(self) -> None:
+        with self._lock:
+            kept, self._idle = [c for conns in self._idle.values() for c, _ in conns], {}
+        for conn in kept:
+            conn.close()
 
 
 def per_node(conn: psycopg.Connection, nodes: NodeMap, statement: str,

@@ -9,7 +9,7 @@ import logging
 import os
 import sys
 
-from agent_inbox import db, errors, limits_command, operator
+from agent_inbox import citus, db, errors, limits_command, operator
 from agent_inbox.console import command as console_command
 from agent_inbox.ingest import command as ingest_command
 
@@ -126,7 +126,7 @@ def open_service_inbox(args: argparse.Namespace, pool_size: int, *, stop=None, *
                                   application_name=f"agent-inbox-{args.command}",
                                   statement_timeout=timeout,
                                   connect_timeout=timeout or db.DEFAULT_CONNECT_TIMEOUT,
-                                  **options)
+                                  citus_nodes=args.citus_nodes, **options)
             break
         except errors.DatabaseUnavailable as exc:
             if stop is None:
@@ -278,6 +278,13 @@ def add_service_options(parser: argparse.ArgumentParser) -> None:
              "Citus also the coordinator's to a worker node: a node that hangs holds up "
              "only its own users; 0 for no bound (default 5; env "
              "AGENT_INBOX_STATEMENT_TIMEOUT)")
+    parser.add_argument(
+        "--citus-nodes", choices=citus.NODES, default=env_default("citus-nodes", "coordinator"),
+        help="on Citus, where the run path's take and finish calls go: through the "
+             "coordinator, or 'direct' to the worker node that holds each bucket (at the "
+             "address the coordinator has for it: the nodes must be reachable from here); "
+             "the coordinator still carries the rest (default coordinator; env "
+             "AGENT_INBOX_CITUS_NODES)")
     parser.add_argument("--metrics-host", default=env_default("metrics-host", "127.0.0.1"),
                         help="address the metrics listen on (default 127.0.0.1; 0.0.0.0 for "
                              "every interface)")

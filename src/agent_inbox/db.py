@@ -132,15 +132,10 @@ def _seconds(name: str, value: float | None) -> float | None:
     return float(value)
 
 
-def open_pool(url: str, *, size: int, name: str = "agent-inbox", timeout: float = 30.0,
-              pooler: str = "none", configure=None,
-              statement_timeout: float | None = DEFAULT_STATEMENT_TIMEOUT,
-              connect_timeout: float | None = DEFAULT_CONNECT_TIMEOUT) -> ConnectionPool:
-    """A pool of `size` autocommit connections; raises DatabaseUnavailable if the
-    first connection cannot be made within `timeout` seconds. `configure(conn)`,
-    if given, is called on each new connection. Each connection opens within
-    `connect_timeout` seconds and waits at most `statement_timeout` seconds for
-    any answer (see the module's docstring; None for either: no bound)."""
+def _session(name: str, pooler: str, configure, statement_timeout: float | None,
+             connect_timeout: float | None) -> tuple[dict, Callable]:
+    """What every connection of ours is opened with (its keyword arguments)
+    and the set-up each gets once opened (see open_pool)."""
     bound = _seconds("statement_timeout", statement_timeout)
     opening = _seconds("connect_timeout", connect_timeout)
     if opening is not None:
@@ -160,15 +155,44 @@ def open_pool(url: str, *, size: int, name: str = "agent-inbox", timeout: float 
             configure(conn)
         conn.bound = bound
 
+    return ({"autocommit": True, "application_name": name, **connect_options(pooler),
+             **LIVENESS, **({"connect_timeout": opening} if opening else {})}, bounded)
+
+
+def connect(url: str, *, name: str = "agent-inbox", configure=None,
+            statement_timeout: float | None = DEFAULT_STATEMENT_TIMEOUT,
+            connect_timeout: float | None = DEFAULT_CONNECT_TIMEOUT) -> "BoundedConnection":
+    """One connection, opened and set up as open_pool's are (psycopg's errors
+    go up: a refused connection at once, a silent server after
+    `connect_timeout`)."""
+    kwargs, set_up = _session(name, "none", configure, statement_timeout, connect_timeout)
+    conn = BoundedConnection.connect(url, **kwargs)
+    try:
+        set_up(conn)
+    except BaseException:
+        conn.close()
+        raise
+    return conn
+
+
+def open_pool(url: str, *, size: int, name: str = "agent-inbox", timeout: float = 30.0,
+              pooler: str = "none", configure=None,
+              statement_timeout: float | None = DEFAULT_STATEMENT_TIMEOUT,
+              connect_timeout: float | None = DEFAULT_CONNECT_TIMEOUT) -> ConnectionPool:
+    """A pool of `size` autocommit connections; raises DatabaseUnavailable if the
+    first connection cannot be made within `timeout` seconds. `configure(conn)`,
+    if given, is called on each new connection. Each connection opens within
+    `connect_timeout` seconds and waits at most `statement_timeout` seconds for
+    any answer (see the module's docstring; None for either: no bound)."""
+    kwargs, set_up = _session(name, pooler, configure, statement_timeout, connect_timeout)
     pool = ConnectionPool(
         url,
         min_size=1,
         max_size=size,
-        kwargs={"autocommit": True, "application_name": name, **connect_options(pooler),
-                **LIVENESS, **({"connect_timeout": opening} if opening else {})},
+        kwargs=kwargs,
         connection_class=BoundedConnection,
         name=name,
-        configure=bounded,
+        configure=set_up,
         open=False,
     )
     try:

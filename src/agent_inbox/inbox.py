@@ -8,6 +8,7 @@ means the database server's clock; an explicit `now` (integer epoch seconds) is
 for tests and simulations.
 """
 
+import functools
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -68,7 +69,7 @@ class Inbox(Runs, Scheduling, Delivery, Permissions):
                 pooler: str = "none",
                 statement_timeout: float | None = db.DEFAULT_STATEMENT_TIMEOUT,
                 connect_timeout: float | None = db.DEFAULT_CONNECT_TIMEOUT,
-                **options) -> "Inbox":
+                citus_nodes: str = "coordinator", **options) -> "Inbox":
         """Open a pool to `url` (any libpq connection string or URI). With
         `pooler="transaction"`, `url` may be a transaction pooler's (PgBouncer in
         `pool_mode = transaction`): no statement is prepared on the server.
@@ -76,19 +77,36 @@ class Inbox(Runs, Scheduling, Delivery, Permissions):
         wait for the database's answer, `connect_timeout` (5) a connection's
         opening and, on Citus, the coordinator's to a worker node
         (citus.node_connection_timeout): see db.py. An operator's long work
-        (prune) lifts the statement bound for itself.
+        (prune) lifts the statement bound for itself. On Citus, `citus_nodes=
+        "direct"` sends the run path's take and finish calls straight to the
+        worker node that holds each bucket, at the address the coordinator has
+        for it, on up to `pool_size` connections per node opened when needed
+        (citus.NodePools; needs a direct `url`, no pooler), instead of through
+        the coordinator ("coordinator", the default).
         `options` are the constructor's: max_attempts=3, lease_ttl=120,
         outbox_gap=3600, max_payload_bytes=1 MiB, max_memory_bytes=256 KiB, retry_backoff=5,
         retry_backoff_cap=300, max_batch=100, send_timeout=120, max_send_attempts=10,
         send_backoff=5, send_backoff_cap=300."""
         validate.text("url", url)
         validate.positive_int("pool_size", pool_size)
+        if citus_nodes not in citus.NODES:
+            raise errors.InvalidInput("citus_nodes", citus_nodes,
+                                      f"must be one of {', '.join(citus.NODES)}")
+        if citus_nodes == "direct" and pooler != "none":
+            raise errors.InvalidInput("citus_nodes", citus_nodes,
+                                      "needs a direct URL of the coordinator, not a pooler's: "
+                                      "the nodes' addresses are the coordinator's own")
         detector = citus.Detector(node_connection_timeout=connect_timeout
                                   if pooler == "none" else None)
         pool = db.open_pool(url, size=pool_size, name=application_name, pooler=pooler,
                             configure=detector, statement_timeout=statement_timeout,
                             connect_timeout=connect_timeout)
         pool.citus = detector.distributed
+        if citus_nodes == "direct":
+            pool.connect_node = functools.partial(
+                db.connect, name=application_name,
+                configure=citus.Detector(node_connection_timeout=connect_timeout),
+                statement_timeout=statement_timeout, connect_timeout=connect_timeout)
         try:
             return cls(pool, **options)
         except BaseException:
@@ -124,6 +142,7 @@ class Inbox(Runs, Scheduling, Delivery, Permissions):
         return self.policy.max_attempts
 
     def close(self) -> None:
+        self._path.close()
         self._pool.close()
 
     def _by_bucket(self, items: list, user_of=lambda item: item[0]) -> list[list]:

@@ -25,8 +25,11 @@ finish commits only behind its run's fence.
 """
 
 import contextlib
+import time
 from collections.abc import Callable
 from typing import Any, Protocol
+
+import psycopg
 
 from agent_inbox import citus, db, errors
 from agent_inbox.records import ClaimPolicy
@@ -126,6 +129,9 @@ class RunPath(Protocol):
         """In an open transaction: requeue or discard the dead events among
         (user, id) pairs (store/admin.py); the rows repaired."""
 
+    def close(self) -> None:
+        """Close what the run path opened besides the pool (Inbox.close)."""
+
     def compact(self, **options) -> list[compaction.Compaction] | None:
         """Rewrite each table of compaction.TABLES without its dead tuples if
         they call for it (store/compaction.py's options); None where it is
@@ -133,8 +139,13 @@ class RunPath(Protocol):
 
 
 def for_pool(pool) -> RunPath:
-    """The run path for `pool` (Inbox.connect marks a Citus coordinator's)."""
-    return PerBucket(pool) if getattr(pool, "citus", False) else SetBased(pool)
+    """The run path for `pool`, as Inbox.connect marked it: `pool.citus` on a
+    Citus coordinator, and there `pool.connect_node` (a node's URL -> a new
+    connection) with `citus_nodes="direct"`: the take and finish calls then go
+    straight to their bucket's node (citus.NodePools)."""
+    if not getattr(pool, "citus", False):
+        return SetBased(pool)
+    return PerBucket(pool, getattr(pool, "connect_node", None))
 
 
 class SetBased:
@@ -145,6 +156,9 @@ class SetBased:
 
     def __init__(self, pool):
         self._pool = pool
+
+    def close(self):
+        pass
 
     def groups(self, items, user_of):
         return [list(items)] if items else []
@@ -257,9 +271,44 @@ class PerBucket:
     distributed = True
     adopts_held_messages = False
 
-    def __init__(self, pool):
+    def __init__(self, pool, connect_node: Callable[[str], Any] | None = None):
         self._pool = pool
         self._nodes = citus.NodeMap()  # which buckets each worker node holds; hung ones
+        self._node_pools = (citus.NodePools(pool.conninfo, self._nodes, connect_node,
+                                            size=pool.max_size)
+                            if connect_node is not None else None)
+
+    def close(self):
+        if self._node_pools is not None:
+            self._node_pools.close()
+
+    def _on_node(self, conn, bucket: int, failures: list, call: Callable[[Any], Any]):
+        """`call(conn)`, one piece of work about `bucket` (a call that is a
+        transaction of its own), on a connection of its node's own pool, with
+        `citus_nodes="direct"` once the map knows the node (citus.NodePools),
+        else on `conn` (the coordinator's; None: one from the pool); what it
+        answered. As citus.node_may_fail: if the node does not answer (or the
+        work deadlocks), the error is added to `failures`, the node is set
+        aside if it timed out, and None is answered. On a connection of the
+        node's own, a lost connection is the node's failure too, and so is a
+        pool that cannot reach it in time."""
+        if self._node_pools is None or self._nodes.address(bucket) is None:
+            with contextlib.ExitStack() as stack:
+                if conn is None:
+                    conn = stack.enter_context(db.connection(self._pool))
+                with citus.node_may_fail(conn, failures, self._nodes, [bucket]):
+                    return call(conn)
+            return None
+        began = time.monotonic()
+        try:
+            with self._node_pools.connection(bucket) as node:
+                answer = call(node)
+        except psycopg.OperationalError as exc:
+            failures.append(exc)
+            self._nodes.failed([bucket], exc, time.monotonic() - began)
+            return None
+        self._nodes.answered([bucket])
+        return answer
 
     def groups(self, items, user_of):
         return citus.by_bucket(items, user_of) if items else []
@@ -285,9 +334,8 @@ class PerBucket:
             for bucket in bucketed.due_buckets(conn, self._nodes, now):
                 if conn.closed:  # cut under a read of a node that hangs
                     break
-                with citus.node_may_fail(conn, failures, self._nodes, [bucket]):
-                    got = delegated.take(conn, bucket, holder, ttl, policy, now,
-                                         users - len(taken))
+                got = self._on_node(conn, bucket, failures, lambda node: delegated.take(
+                    node, bucket, holder, ttl, policy, now, users - len(taken)))
                 if failures:
                     break
                 taken += got
@@ -328,8 +376,24 @@ class PerBucket:
         return bucketed.held_by(conn, self._nodes, holder, now)
 
     def finish_one(self, finish, now):
+        if self._goes_direct(finish, writes_timers=False):
+            failures: list[Exception] = []
+            accepted = self._on_node(None, citus.bucket(finish.user), failures, lambda node:
+                                     delegated.finish(node, finish, now, release=False))
+            if failures:
+                with db.translated():  # as a finish through the coordinator would raise it
+                    raise failures[0]
+            return accepted
         with db.connection(self._pool) as conn:  # one call: a transaction of its own
             return delegated.finish(conn, finish, now, release=False)
+
+    def _goes_direct(self, finish, writes_timers: bool) -> bool:
+        """Whether `finish` is sent straight to its node (citus_nodes="direct"):
+        not if it queues messages (their ids come from the coordinator's
+        sequence, which orders them, and the dispatchers' NOTIFY is heard
+        there) or writes timers (their NOTIFY, likewise)."""
+        return (self._node_pools is not None and not writes_timers
+                and not (finish.error is None and finish.messages))
 
     def finish_many(self, finishes, release, now, writes_timers, write_timers):
         """Each run's finish in a transaction of its own (one node): one call
@@ -342,11 +406,16 @@ class PerBucket:
         with db.Connections(self._pool) as conns:
             for i, finish in enumerate(finishes):
                 bucket = citus.bucket(finish.user)
-                conn = conns.get()  # another if a hung node's statement was cut
                 if self._nodes.hung(bucket):  # its node timed out a moment ago: not waited for
                     flags.append(None)
                     continue
                 failed = len(failures)
+                if self._goes_direct(finish, writes_timers[i]):
+                    accepted = self._on_node(None, bucket, failures, lambda node, f=finish:
+                                             delegated.finish(node, f, now, release=release))
+                    flags.append(None if len(failures) > failed else accepted)
+                    continue
+                conn = conns.get()  # another if a hung node's statement was cut
                 with citus.node_may_fail(conn, failures, self._nodes, [bucket]), \
                         (conn.transaction() if writes_timers[i] else contextlib.nullcontext()):
                     accepted = delegated.finish(conn, finish, now, release=release)

@@ -96,10 +96,14 @@ def done_in(url, buckets):
                             " AND status = 'done'", (buckets,)).fetchone()[0]
 
 
-def test_the_api_serves_the_nodes_that_answer_and_says_what_it_could_not(url, cluster):
+@pytest.mark.parametrize("citus_nodes", citus.NODES)
+def test_the_api_serves_the_nodes_that_answer_and_says_what_it_could_not(url, cluster,
+                                                                         citus_nodes):
+    """Through the coordinator, or with the take and finish calls sent straight
+    to the nodes (the stopped node's pooled connections are then lost too)."""
     live, down, _ = users_by_node(url, cluster, 3)
     late = live.pop()                                        # its work arrives while a node is down
-    with Inbox.connect(url, lease_ttl=60) as inbox:
+    with Inbox.connect(url, lease_ttl=60, citus_nodes=citus_nodes) as inbox:
         inbox.ingest_many([(user, "chat", "1", {}) for user in live + down])
         runs = inbox.take_runs("holder", users=10)
         assert sorted(run.user for run in runs) == sorted(live + down)

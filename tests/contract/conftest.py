@@ -26,7 +26,8 @@ Fixtures, derived from the backend:
   server connections. On Citus, the coordinator.
 - `inbox_url`: the URL the code under test uses (through PgBouncer on
   "pgbouncer", else `direct_url`); `inbox_options`: what an Inbox needs on it
-  ({"pooler": "transaction"} on "pgbouncer").
+  ({"pooler": "transaction"} on "pgbouncer"; on "citus", `citus_nodes="direct"`:
+  tests/citus covers the calls through the coordinator).
 - `inbox` (pool_size 4) and `make_inbox` (pool_size 1 unless given) on it.
 
 PgBouncers are started once per session, one per pool size (server
@@ -104,7 +105,11 @@ def database_url(direct_url):
 
 @pytest.fixture
 def inbox_options(backend):
-    return {"pooler": "transaction"} if backend == "pgbouncer" else {}
+    """Behind PgBouncer, its mode; on Citus, the take and finish calls sent
+    straight to the worker nodes (`citus_nodes="direct"`: tests/citus runs
+    them through the coordinator, the default)."""
+    return {"pgbouncer": {"pooler": "transaction"},
+            "citus": {"citus_nodes": "direct"}}.get(backend, {})
 
 
 @pytest.fixture

@@ -1,0 +1,89 @@
+"""`citus_nodes="direct"`: the run path's take and finish calls go straight to
+the worker node that holds each bucket (citus.NodePools), so the coordinator
+neither plans nor relays them; a finish that queues messages still goes
+through the coordinator (the ids of its messages order them, and the
+dispatchers hear its NOTIFY there). What each backend answered last is read
+from pg_stat_activity on every node: our own connections are named by their
+application, the coordinator's to a node are Citus's."""
+
+import psycopg
+import pytest
+
+from agent_inbox import Inbox, Result, citus, errors
+
+APP = "agent-inbox-direct-test"
+
+
+def last_calls(url: str) -> list[str]:
+    """The last statement of each of our application's sessions on one node."""
+    with psycopg.connect(url, autocommit=True) as conn:
+        return [query for query, in conn.execute(
+            "SELECT query FROM pg_stat_activity WHERE application_name = %s AND pid <>"
+            " pg_backend_pid()", (APP,)).fetchall()]
+
+
+def node_urls(url: str, cluster) -> list[str]:
+    dbname = psycopg.conninfo.conninfo_to_dict(url)["dbname"]
+    return [psycopg.conninfo.make_conninfo(node.url, dbname=dbname) for node in cluster.workers]
+
+
+def users_on_every_node(url: str, per_node: int) -> list[str]:
+    with psycopg.connect(url, autocommit=True) as conn:
+        groups = citus.NodeMap().groups(conn)
+    users = []
+    for group in groups:
+        users += [u for u in (f"u{n}" for n in range(5000)) if citus.bucket(u) in group][:per_node]
+    return users
+
+
+def test_takes_and_finishes_go_to_the_buckets_node_and_not_through_the_coordinator(
+        database_url, citus_cluster):
+    users = users_on_every_node(database_url, 2)
+    with Inbox.connect(database_url, pool_size=1, application_name=APP,
+                       citus_nodes="direct") as inbox:
+        inbox.ingest_many([(user, "chat", "1", {}) for user in users])
+        runs = inbox.take_runs("w", users=10)
+        assert sorted(run.user for run in runs) == sorted(users)
+        assert all("agent_inbox_take(" not in q for q in last_calls(database_url))
+        for node in node_urls(database_url, citus_cluster):
+            assert [q for q in last_calls(node) if "agent_inbox_take(" in q], node
+        assert inbox.finish_runs([inbox.outcome(run, Result()) for run in runs]) \
+            == [True] * len(runs)
+        assert all("agent_inbox_finish(" not in q for q in last_calls(database_url))
+        for node in node_urls(database_url, citus_cluster):
+            assert [q for q in last_calls(node) if "agent_inbox_finish(" in q], node
+        # Messages: through the coordinator, in order, with the dispatchers' NOTIFY.
+        inbox.ingest(users[0], "chat", "2", {})
+        [run] = inbox.take_runs("w", users=1)
+        with psycopg.connect(database_url, autocommit=True) as listener:
+            listener.execute("LISTEN agent_inbox_outbox")
+            assert inbox.finish_runs([inbox.outcome(run, Result(messages=["a", "b"]))]) == [True]
+            assert [n.channel for n in listener.notifies(timeout=5, stop_after=1)] \
+                == ["agent_inbox_outbox"]
+        assert [m.body for m in inbox.outbox(users[0])] == ["a", "b"]
+    with psycopg.connect(database_url, autocommit=True) as conn:
+        # from the coordinator's sequence: a node's own draws from (its group id) << 48
+        ids = [i for i, in conn.execute("SELECT id FROM outbox ORDER BY id").fetchall()]
+        assert len(ids) == 2 and ids[-1] < 2 ** 48, ids
+    with psycopg.connect(database_url, autocommit=True) as conn:
+        assert conn.execute("SELECT status, count(*) FROM events GROUP BY 1").fetchall() \
+            == [("done", len(users) + 1)]
+
+
+def test_a_stale_finish_sent_straight_to_the_node_is_refused(database_url):
+    """The fence is the function's, wherever it is called from."""
+    [user] = users_on_every_node(database_url, 1)[:1]
+    with Inbox.connect(database_url, citus_nodes="direct", lease_ttl=30) as inbox:
+        inbox.ingest(user, "chat", "1", {})
+        [stale] = inbox.take_runs("w1", users=1, now=1_000_000)
+        [fresh] = inbox.take_runs("w2", users=1, now=1_000_100)   # the lease expired: taken over
+        assert inbox.finish_runs([inbox.outcome(stale, Result())], now=1_000_100) == [False]
+        assert inbox.finish_runs([inbox.outcome(fresh, Result())], now=1_000_100) == [True]
+
+
+@pytest.mark.parametrize("bad, why", [("nodes", "must be one of coordinator, direct"),
+                                      ("direct", "not a pooler's")])
+def test_bad_citus_nodes_are_refused_before_connecting(bad, why):
+    pooler = "transaction" if bad == "direct" else "none"
+    with pytest.raises(errors.InvalidInput, match=why):
+        Inbox.connect("postgresql://nobody@127.0.0.1:1/none", citus_nodes=bad, pooler=pooler)
