@@ -332,20 +332,32 @@ class NodePools:
 
 
 def per_node(conn: psycopg.Connection, nodes: NodeMap, statement: str,
-             params: dict) -> list[tuple]:
+             params: dict, pools: NodePools | None = None) -> list[tuple]:
     """A read across shards sent once per worker node, `%(buckets)s` bound to
     that node's buckets (the statement filters `bucket = ANY(%(buckets)s)`, so
     Citus sends it to that node alone): the rows of every node that answered.
-    A node that cannot be reached is skipped with a warning: its users wait
-    for it while every other node's work goes on. In autocommit only (a failed
-    read would abort a transaction)."""
+    Sent through the coordinator's `conn`, or with `pools` to the node itself
+    (whose shards they all are: it reads them there). A node that cannot be
+    reached is skipped with a warning: its users wait for it while every other
+    node's work goes on. In autocommit only (a failed read would abort a
+    transaction)."""
     rows, failures = [], []
     for buckets in nodes.groups(conn):
         if nodes.hung(buckets[0]) or conn.closed:  # timed out a moment ago: not asked
             continue
-        failed = len(failures)
-        with node_may_fail(conn, failures, nodes, buckets):
-            rows += conn.execute(statement, {**params, "buckets": buckets}).fetchall()
+        failed, asked = len(failures), {**params, "buckets": buckets}
+        if pools is None:
+            with node_may_fail(conn, failures, nodes, buckets):
+                rows += conn.execute(statement, asked).fetchall()
+        else:
+            began = time.monotonic()
+            try:
+                with pools.connection(buckets[0]) as node:
+                    rows += node.execute(statement, asked).fetchall()
+                nodes.answered(buckets)
+            except psycopg.OperationalError as exc:  # any: the node's own connection
+                failures.append(exc)
+                nodes.failed(buckets, exc, time.monotonic() - began)
         if len(failures) > failed:
             nodes.skipped(buckets, failures[-1])
     return rows

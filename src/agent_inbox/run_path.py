@@ -324,14 +324,15 @@ class PerBucket:
 
     def take(self, holder, users, ttl, policy, now):
         """The buckets with due wakes, longest waiting first (read per node, no
-        lock), each taken from in one call on its node (store/delegated.py: a
-        transaction of its own) until `users` are taken. A take whose commit
+        lock; with `citus_nodes="direct"` on each node itself), each taken from
+        in one call on its node (store/delegated.py: a transaction of its own)
+        until `users` are taken. A take whose commit
         failed may have taken runs unseen, as anywhere: the caller gives back
         orphans."""
         taken: list[Taken] = []
         failures: list[Exception] = []
         with db.connection(self._pool) as conn:
-            for bucket in bucketed.due_buckets(conn, self._nodes, now):
+            for bucket in bucketed.due_buckets(conn, self._nodes, now, self._node_pools):
                 if conn.closed:  # cut under a read of a node that hangs
                     break
                 got = self._on_node(conn, bucket, failures, lambda node: delegated.take(

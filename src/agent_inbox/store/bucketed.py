@@ -147,16 +147,19 @@ SELECT tally.died, tally.unfinished,
 """
 
 
-def _due(conn, nodes: citus.NodeMap, statement: str, now: int | None) -> list[int]:
+def _due(conn, nodes: citus.NodeMap, statement: str, now: int | None,
+         pools: citus.NodePools | None = None) -> list[int]:
     """The buckets `statement` (bucket, its oldest due time) finds on every node
-    that answers, the longest waiting first: a node that does not answer holds
-    up its own users only."""
-    rows = citus.per_node(conn, nodes, statement, {"now": now})
+    that answers (asked through the coordinator, or with `pools` each node
+    itself), the longest waiting first: a node that does not answer holds up
+    its own users only."""
+    rows = citus.per_node(conn, nodes, statement, {"now": now}, pools)
     return [b for b, _ in sorted(rows, key=lambda row: (row[1], row[0]))]
 
 
-def due_buckets(conn, nodes: citus.NodeMap, now: int | None) -> list[int]:
-    return _due(conn, nodes, DUE_BUCKETS, now)
+def due_buckets(conn, nodes: citus.NodeMap, now: int | None,
+                pools: citus.NodePools | None = None) -> list[int]:
+    return _due(conn, nodes, DUE_BUCKETS, now, pools)
 
 
 # FINISH's fence for one run, and what it writes in the run's own snapshot:
