@@ -59,7 +59,7 @@ import psycopg
 
 from agent_inbox import Inbox, horizon, migrate, pgserver
 from agent_inbox.records import ClaimPolicy
-from agent_inbox.store import inbox as inbox_sql, lease as lease_sql
+from agent_inbox.store import inbox as inbox_sql, lease as lease_sql, wake_rings
 from bench import records
 from bench.common import RESULTS, Workers, percentile, src_fingerprint, stop_processes
 
@@ -256,7 +256,8 @@ def explain_run_path(url: str, side: str, at_start: dict, path: str) -> None:
             **policy.params()}
     lines = [f"==== {side}: {time.strftime('%Y-%m-%d %H:%M:%S')}"]
     with psycopg.connect(url, application_name="bench-explain") as conn:
-        taken = inbox_sql.take_work(conn, "soak-explain-1", 60, policy, None, 1)
+        taken = inbox_sql.take_work(conn, "soak-explain-1", 60, policy, None,
+                                    wake_rings.Given(), 1)
         if taken:
             user, gen, _, _, _, _, events = taken[0]
             claim = {"user": user, "holder": "soak-explain-1", "gen": gen, "now": None,
@@ -270,7 +271,8 @@ def explain_run_path(url: str, side: str, at_start: dict, path: str) -> None:
             lines += [f"-- FINISH with release ({len(events)} events)", *(r[0] for r in plan)]
         else:
             lines.append("-- (no user to take: CLAIM and FINISH not explained)")
-        plan = conn.execute(EXPLAIN + inbox_sql.TAKE_WORK, take).fetchall()
+        plan = conn.execute(EXPLAIN + inbox_sql.TAKE_WORK,
+                            {**take, **wake_rings.Given().params(conn)}).fetchall()
         lines += ["-- TAKE_WORK (users=%d)" % EXPLAIN_USERS, *(r[0] for r in plan)]
         conn.rollback()
         dead = conn.execute(STATS, (list(TABLES),)).fetchall()

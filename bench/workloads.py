@@ -17,7 +17,7 @@ import psycopg
 from procrastinate import exceptions as peer_exceptions
 
 from agent_inbox import DatabaseUnavailable, Inbox, Result, TransactionConflict, migrate
-from agent_inbox.store import inbox as inbox_store
+from agent_inbox.store import inbox as inbox_store, wake_rings
 
 from bench import records
 from bench.common import (TreeSampler, Workers, check_runs, ours_worker_help, percentile,
@@ -541,7 +541,7 @@ def explain_take_work(url: str, inbox: Inbox, holder: str) -> str:
             with conn.transaction(force_rollback=True):
                 conn.execute(f"SET LOCAL plan_cache_mode = {mode}")
                 rows = conn.execute("EXPLAIN (ANALYZE, BUFFERS, VERBOSE OFF) " + inbox_store.TAKE_WORK,
-                                    params).fetchall()
+                                    {**params, **wake_rings.Given().params(conn)}).fetchall()
             parts.append(f"-- plan_cache_mode = {mode}\n" + "\n".join(r[0] for r in rows))
     return "\n\n".join(parts) + "\n"
 

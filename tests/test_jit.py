@@ -9,7 +9,7 @@ import pytest
 
 from agent_inbox import Inbox, db
 from agent_inbox.records import ClaimPolicy
-from agent_inbox.store import inbox as store_inbox
+from agent_inbox.store import inbox as store_inbox, wake_rings
 
 
 def take_plan(inbox: Inbox) -> str:
@@ -18,7 +18,8 @@ def take_plan(inbox: Inbox) -> str:
     params = {"holder": "H", "ttl": 30, "now": None, "users": 4, **ClaimPolicy().params()}
     with db.connection(inbox.pool) as conn, conn.transaction(force_rollback=True):
         conn.execute("SET LOCAL jit_above_cost = 0")
-        rows = conn.execute("EXPLAIN (ANALYZE) " + store_inbox.TAKE_WORK, params).fetchall()
+        rows = conn.execute("EXPLAIN (ANALYZE) " + store_inbox.TAKE_WORK,
+                            {**params, **wake_rings.Given().params(conn)}).fetchall()
     return "\n".join(line for line, in rows)
 
 

@@ -17,7 +17,7 @@ import pytest
 
 from agent_inbox import Result
 from agent_inbox.records import ClaimPolicy
-from agent_inbox.store import inbox as store_inbox
+from agent_inbox.store import inbox as store_inbox, wake_rings
 from agent_inbox.store import lease
 
 T = 1_000_000
@@ -149,7 +149,8 @@ def test_under_a_held_horizon_a_run_reads_past_none_of_its_users_finished_events
             with psycopg.connect(database_url) as conn:
                 if mark == "forgotten":
                     conn.execute("UPDATE leases SET open_from = 0 WHERE user_id = 'u'")
-                [(user, gen, *_rest, events)] = store_inbox.take_work(conn, "H", TTL, policy, T)
+                [(user, gen, *_rest, events)] = store_inbox.take_work(
+                    conn, "H", TTL, policy, T, wake_rings.Given())
                 assert [e.source_id for e in events] == ["last"]
                 took = index_reads(conn, "ix_events_open")
                 conn.execute(lease.LOCK_MANY, {"users": ["u"]})

@@ -34,8 +34,7 @@ import psycopg
 from agent_inbox import citus, db, errors
 from agent_inbox.records import ClaimPolicy
 from agent_inbox.store import (admin, approvals, bucketed, compaction, delegated, inbox, lease,
-                               outbox, steps,
-                               timers)
+                               outbox, steps, timers, wake_rings)
 
 # Why a call left a node's users alone without asking it (citus.NodeMap.hung).
 HUNG = "their worker node timed out a moment ago (set aside for a while)"
@@ -156,6 +155,7 @@ class SetBased:
 
     def __init__(self, pool):
         self._pool = pool
+        self._rings = wake_rings.Given()  # the wake rings takes name (store/wake_rings.py)
 
     def close(self):
         pass
@@ -172,7 +172,8 @@ class SetBased:
 
     def take(self, holder, users, ttl, policy, now):
         with db.connection(self._pool) as conn:
-            return inbox.take_work(conn, holder, ttl, policy, now, users), None
+            return inbox.take_work(conn, holder, ttl, policy, now, self._rings, users,
+                                   pipelined=db.pipelined_transaction), None
 
     def renew(self, holder, keys, ttl, now):
         if not keys:
@@ -189,6 +190,7 @@ class SetBased:
     def finish_one(self, finish, now):
         with db.connection(self._pool) as conn:
             with db.pipelined_transaction(conn):
+                conn.execute(inbox.GENERIC_PLAN)
                 conn.execute(lease.LOCK, {"user": finish.user})
                 verdict = inbox.send_finish(conn, [finish], now)
             [accepted] = inbox.read_verdicts(verdict)
@@ -200,6 +202,7 @@ class SetBased:
             if any(writes_timers):
                 # Timers and approvals are written only once their fence has said yes.
                 with conn.transaction():
+                    conn.execute(inbox.GENERIC_PLAN)
                     conn.execute(lease.LOCK_MANY, {"users": users})
                     accepted = inbox.finish(conn, finishes, now, release=release)
                     for i, ok in enumerate(accepted):
@@ -208,6 +211,7 @@ class SetBased:
                     return accepted
             # Locks, fenced finishes and commit, sent as one pipeline: one round trip.
             with db.pipelined_transaction(conn):
+                conn.execute(inbox.GENERIC_PLAN)
                 conn.execute(lease.LOCK_MANY, {"users": users})
                 verdicts = inbox.send_finish(conn, finishes, now, release=release)
             return inbox.read_verdicts(verdicts)

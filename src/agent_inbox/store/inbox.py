@@ -75,17 +75,17 @@ def insert_many(conn, rows: list[tuple]) -> list[bool]:
 OPEN = "e.status IN ('pending', 'running')"
 
 
-def carried(user: str, rings: bool = True) -> str:
+def carried(user: str, rings: str | None = wake_rings.LIVE) -> str:
     """The lowest `from_id` among the wakes of `user` this statement's snapshot
     shows (SQL; NULL if none names an event): what a statement that deletes
-    those wakes carries into the wake or the mark it leaves. Read in the live
-    rings only (store/wake_rings.py), unless `rings` is False: a statement
-    sent on Citus too, where `wakes` is one table with no rings."""
-    live = f" AND x.ring IN ({wake_rings.LIVE})" if rings else ""
+    those wakes carries into the wake or the mark it leaves. Read in the
+    `rings` (SQL: the live rings, store/wake_rings.py), or in every row if
+    None: a statement sent on Citus too, where `wakes` is one table."""
+    live = f" AND x.ring IN ({rings})" if rings else ""
     return f"(SELECT min(x.from_id) FROM wakes x WHERE x.user_id = {user}{live})"
 
 
-def low_water(user: str, lease: str = "l", rings: bool = True) -> str:
+def low_water(user: str, lease: str = "l", rings: str | None = wake_rings.LIVE) -> str:
     """The low-water mark of `user` (SQL, `lease` its lease row): no open event
     of the user has a lower id (migration 0010). The lease's `open_from`,
     raised only by a finish that releases the lease, or lower where a wake
@@ -171,7 +171,7 @@ open AS (
 # Sent on Citus too (routed to the user's bucket).
 CLAIM = f"""
 WITH run AS (
-    SELECT l.user_id, l.gen, clock.now, {low_water("l.user_id", rings=False)} AS from_id
+    SELECT l.user_id, l.gen, clock.now, {low_water("l.user_id", rings=None)} AS from_id
       FROM leases l, (SELECT {NOW} AS now) clock
      WHERE l.user_id = %(user)s AND {lease.fenced("%(holder)s", "%(gen)s", "clock.now")}
 ), {CLAIM_STEPS}
@@ -201,8 +201,10 @@ def claimable(user: str, now: str, *, bucket: str | None = None,
 
 
 # Where finding work applies it, beside the user's lease row `l`: the user's
-# `low_water` is read only for a lease that is free (it reads the user's wakes).
-CLAIMABLE = claimable("w.user_id", "clock.now", from_id=low_water("w.user_id"))
+# `low_water` is read only for a lease that is free (it reads the user's wakes,
+# in the rings the take names).
+CLAIMABLE = claimable("w.user_id", "clock.now",
+                      from_id=low_water("w.user_id", rings=wake_rings.GIVEN))
 
 # How many wakes a take looks at beyond the users it takes (see TAKE_WORK).
 LOOK = 1000
@@ -248,7 +250,8 @@ LOOK = 1000
 # estimates.
 TAKE_WORK = f"""
 WITH clock AS (
-    SELECT {NOW} AS now, greatest({NOW}, {DB_CLOCK}) AS due
+    SELECT {NOW} AS now, greatest({NOW}, {DB_CLOCK}) AS due,
+           {wake_rings.GIVEN_HOLD} AS rings_hold  -- store/wake_rings.py: else nothing is taken
 ), pick AS (  -- due wakes in order, each user's lease by key (LIMIT: never a join)
     SELECT w.user_id, l.lease, w.at, w.id
       FROM wakes w
@@ -258,7 +261,7 @@ WITH clock AS (
             LIMIT 1
               FOR UPDATE OF l SKIP LOCKED) l
      WHERE w.at <= (SELECT due FROM clock)  -- a bound of the index scan
-       AND w.ring IN ({wake_rings.LIVE})  -- store/wake_rings.py
+       AND w.ring IN ({wake_rings.GIVEN}) AND (SELECT rings_hold FROM clock)
      ORDER BY w.at, w.id
      LIMIT (SELECT %(users)s::int)  -- see "The LIMIT" above
 ), reach AS (  -- how far pick read: to its last wake if it took `users`, else every due wake
@@ -269,7 +272,7 @@ WITH clock AS (
     SELECT w.user_id, l.until, l.open_from, clock.now
       FROM clock, (SELECT user_id, at, id FROM wakes
                     WHERE (at, id) < ((SELECT at FROM reach), (SELECT id FROM reach))
-                      AND ring IN ({wake_rings.LIVE})
+                      AND ring IN ({wake_rings.GIVEN}) AND (SELECT rings_hold FROM clock)
                     ORDER BY at, id LIMIT {LOOK}) w
       CROSS JOIN LATERAL (  -- each lease by key (LIMIT: never turned into a join)
            SELECT l.until, l.open_from FROM leases l
@@ -280,7 +283,8 @@ WITH clock AS (
     SELECT s.user_id,
            CASE WHEN s.until >= s.now THEN s.until + 1
                 ELSE (SELECT min(e.available_at) FROM events e
-                       WHERE e.user_id = s.user_id AND e.id >= {low_water("s.user_id", "s")}
+                       WHERE e.user_id = s.user_id
+                         AND e.id >= {low_water("s.user_id", "s", wake_rings.GIVEN)}
                          AND {OPEN})
                 END AS next_at
       FROM (SELECT DISTINCT user_id, until, open_from, now FROM stale) s
@@ -295,17 +299,19 @@ WITH clock AS (
  RETURNING l.user_id, l.gen, l.until, l.open_from
 ), woke AS (  -- each carrying the marks of the wakes `slept` deletes (see low_water)
     INSERT INTO wakes (user_id, at, from_id)
-    SELECT user_id, until + 1, {carried("took.user_id")} FROM took
+    SELECT user_id, until + 1, {carried("took.user_id", wake_rings.GIVEN)} FROM took
      UNION ALL
-    SELECT user_id, next_at, {carried("looked.user_id")} FROM looked WHERE next_at IS NOT NULL
+    SELECT user_id, next_at, {carried("looked.user_id", wake_rings.GIVEN)} FROM looked
+     WHERE next_at IS NOT NULL
 ), slept AS (  -- the wakes this snapshot shows of the users taken or looked at
     DELETE FROM wakes w
      WHERE w.user_id = ANY(ARRAY(SELECT user_id FROM took UNION ALL SELECT user_id FROM looked))
-       AND w.ring IN ({wake_rings.LIVE})
+       AND w.ring IN ({wake_rings.GIVEN})
 ), run AS (  -- the lease's mark as locked: one a finish raised after this snapshot
                -- passes only events that finish closed (the claim's re-check
                -- would refuse them anyway)
-    SELECT took.user_id, took.gen, clock.now, {low_water("took.user_id", "took")} AS from_id
+    SELECT took.user_id, took.gen, clock.now,
+           {low_water("took.user_id", "took", wake_rings.GIVEN)} AS from_id
       FROM took, clock
 ), {CLAIM_STEPS}, tally AS (
     SELECT user_id, count(*) FILTER (WHERE status = 'dead') AS died,
@@ -324,15 +330,39 @@ SELECT took.user_id, took.gen, clock.now, coalesce(tally.died, 0), coalesce(tall
 """
 
 
-def send_take_work(conn, holder: str, ttl: int, policy: ClaimPolicy, now: int | None,
-                   users: int = 1):
-    """Send TAKE_WORK without reading the answer (pipeline mode); read_taken reads it."""
+# Sent first in a take's or a finish's transaction on the set-based path: the
+# statement's cached (generic) plan is used, never one planned anew for its
+# parameters. Both reach rows by key or TID, so their plans do not depend on
+# the parameters, while PostgreSQL's choice between the two plans does, on
+# estimates: it kept planning FINISH anew every time (1.8 ms a finish of one
+# run against 0.9 with the cached plan), and the take from a rotation of the
+# wakes on (2.4 ms against 0.9: W1b lost a third of its runs/s), as soon as
+# the generic plan's estimate came out above the custom plans' average.
+# Behind a transaction pooler no statement is prepared: it changes nothing.
+GENERIC_PLAN = "SELECT set_config('plan_cache_mode', 'force_generic_plan', true)"
+
+
+def take_work(conn, holder: str, ttl: int, policy: ClaimPolicy, now: int | None,
+              rings: wake_rings.Given, users: int = 1, pipelined=None) -> list[tuple]:
+    """TAKE_WORK in the rings `rings` names; read_taken's rows. A take that
+    took nothing reads the rings again, and, if they changed (a rotation since
+    they were read), takes again. With `pipelined` (db.pipelined_transaction),
+    each take is its own transaction, with GENERIC_PLAN, in one round trip."""
     params = {"holder": holder, "ttl": ttl, "now": now, "users": users, **policy.params()}
-    return conn.execute(TAKE_WORK, params)
 
+    def take() -> list[tuple]:
+        given = {**params, **rings.params(conn)}
+        if pipelined is None:
+            return read_taken(conn.execute(TAKE_WORK, given))
+        with pipelined(conn):
+            conn.execute(GENERIC_PLAN)
+            cursor = conn.execute(TAKE_WORK, given)
+        return read_taken(cursor)
 
-def take_work(conn, holder: str, ttl: int, policy: ClaimPolicy, now: int | None, users: int = 1):
-    return read_taken(send_take_work(conn, holder, ttl, policy, now, users))
+    taken = take()
+    if not taken and rings.read_again(conn):
+        taken = take()
+    return taken
 
 
 def read_taken(cursor) -> list[tuple]:
