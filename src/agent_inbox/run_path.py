@@ -288,14 +288,14 @@ class PerBucket:
 
     def _on_node(self, conn, bucket: int, failures: list, call: Callable[[Any], Any]):
         """`call(conn)`, one piece of work about `bucket` (a call that is a
-        transaction of its own), on a connection of its node's own pool, with
+        transaction of its own), on a connection straight to its node with
         `citus_nodes="direct"` once the map knows the node (citus.NodePools),
         else on `conn` (the coordinator's; None: one from the pool); what it
         answered. As citus.node_may_fail: if the node does not answer (or the
         work deadlocks), the error is added to `failures`, the node is set
-        aside if it timed out, and None is answered. On a connection of the
-        node's own, a lost connection is the node's failure too, and so is a
-        pool that cannot reach it in time."""
+        aside if it timed out, and None is answered. On a connection straight
+        to the node, a lost connection is the node's failure too, and so is
+        one that cannot be opened."""
         if self._node_pools is None or self._nodes.address(bucket) is None:
             with contextlib.ExitStack() as stack:
                 if conn is None:
