@@ -1,0 +1,69 @@
+"""citus.NodePools, the connections kept to each Citus worker node for the
+calls sent straight to it (`citus_nodes="direct"`), on one plain server
+standing for a node: a connection is kept for the next call, one closed under
+it while idle (the node restarted) is found by the check before use and
+replaced, and one left in a transaction or broken is not kept. (On a real
+cluster: tests/citus/test_direct.py and test_node_down.py.)"""
+
+import psycopg
+import pytest
+
+from agent_inbox import citus, db
+
+
+class OneNode:
+    """A node map that puts every bucket on the test server."""
+
+    def __init__(self, url: str):
+        info = psycopg.conninfo.conninfo_to_dict(url)
+        self._address = (info.get("host", "127.0.0.1"), int(info.get("port", 5432)))
+
+    def address(self, bucket: int):
+        return self._address
+
+
+@pytest.fixture
+def pools(agent_inbox_database):
+    kept = citus.NodePools(agent_inbox_database, OneNode(agent_inbox_database),
+                           lambda url: db.connect(url, name="node-pools-test"), size=2)
+    yield kept
+    kept.close()
+
+
+def backend(pools) -> int:
+    with pools.connection(0) as conn:
+        return conn.info.backend_pid
+
+
+def test_a_connection_is_kept_for_the_next_call(pools):
+    assert backend(pools) == backend(pools)
+
+
+def test_one_closed_while_idle_is_checked_and_replaced(pools, agent_inbox_database, monkeypatch):
+    first = backend(pools)
+    with psycopg.connect(agent_inbox_database, autocommit=True) as admin:
+        # returns once the backend has ended (up to 10 s)
+        assert admin.execute("SELECT pg_terminate_backend(%s, 10000)", (first,)).fetchone()[0]
+    monkeypatch.setattr(citus, "IDLE_CHECK_S", 0.0)     # every kept one idle long enough
+    with pools.connection(0) as conn:
+        assert conn.execute("SELECT 1").fetchone() == (1,)
+        assert conn.info.backend_pid != first
+
+
+def test_unchecked_a_connection_closed_while_idle_fails_the_call(pools, agent_inbox_database,
+                                                               monkeypatch):
+    """What the check is for: without it the call goes out on the closed one."""
+    first = backend(pools)
+    with psycopg.connect(agent_inbox_database, autocommit=True) as admin:
+        admin.execute("SELECT pg_terminate_backend(%s, 10000)", (first,))
+    monkeypatch.setattr(citus, "IDLE_CHECK_S", 3600.0)
+    with pytest.raises(psycopg.OperationalError), pools.connection(0) as conn:
+        conn.execute("SELECT 1")
+    assert backend(pools) != first                       # the broken one was not kept
+
+
+def test_one_left_in_a_transaction_is_not_kept(pools):
+    with pools.connection(0) as conn:
+        conn.execute("BEGIN")
+        left = conn.info.backend_pid
+    assert backend(pools) != left
