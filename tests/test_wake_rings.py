@@ -45,8 +45,9 @@ def handle_all(inbox, now: int = T) -> list[tuple[str, str]]:
 
 
 def test_under_a_dump_the_wakes_move_and_takes_read_the_new_ring_only(database_url, make_inbox):
-    """The take names the live rings (wake_rings.GIVEN): the planner prunes
-    the others before it plans them."""
+    """The take names the live rings (wake_rings.GIVEN): the others are
+    pruned before its plan runs (here, planned for the parameters, before
+    it is planned)."""
     inbox = make_inbox(lease_ttl=TTL)
     for r in range(5):                                  # dead wakes in ring 0
         inbox.ingest_many([(f"u{i}", "chat", f"old{r}", {}) for i in range(20)])
