@@ -42,6 +42,7 @@ import re
 import threading
 import time
 from collections.abc import Callable, Iterator
+from typing import TypeVar
 
 import psycopg
 from psycopg.conninfo import make_conninfo
@@ -51,6 +52,8 @@ from agent_inbox.store import notify
 from agent_inbox.store.clock import DB_CLOCK
 
 log = logging.getLogger("agent_inbox.citus")
+
+T = TypeVar("T")
 
 BUCKETS = 64
 """How many buckets users are spread over. Part of the layout: changing it
@@ -299,6 +302,24 @@ class NodePools:
         finally:
             self._keep(address, conn)
 
+    def call(self, buckets: list[int], failures: list, work: Callable[[psycopg.Connection], T]
+             ) -> T | None:
+        """`work(conn)` on a connection to the node of `buckets` (its first
+        names it); what it answered. Any psycopg.OperationalError is the
+        node's failure, a lost or unopenable connection included (the
+        connection is the node's own): added to `failures`, the node set
+        aside if it timed out (NodeMap.failed), and None answered."""
+        began = time.monotonic()
+        try:
+            with self.connection(buckets[0]) as conn:
+                answer = work(conn)
+        except psycopg.OperationalError as exc:
+            failures.append(exc)
+            self._nodes.failed(buckets, exc, time.monotonic() - began)
+            return None
+        self._nodes.answered(buckets)
+        return answer
+
     def _kept(self, address) -> psycopg.Connection | None:
         while True:
             with self._lock:
@@ -350,14 +371,8 @@ def per_node(conn: psycopg.Connection, nodes: NodeMap, statement: str,
             with node_may_fail(conn, failures, nodes, buckets):
                 rows += conn.execute(statement, asked).fetchall()
         else:
-            began = time.monotonic()
-            try:
-                with pools.connection(buckets[0]) as node:
-                    rows += node.execute(statement, asked).fetchall()
-                nodes.answered(buckets)
-            except psycopg.OperationalError as exc:  # any: the node's own connection
-                failures.append(exc)
-                nodes.failed(buckets, exc, time.monotonic() - began)
+            rows += pools.call(buckets, failures,
+                               lambda node: node.execute(statement, asked).fetchall()) or []
         if len(failures) > failed:
             nodes.skipped(buckets, failures[-1])
     return rows

@@ -25,11 +25,8 @@ finish commits only behind its run's fence.
 """
 
 import contextlib
-import time
 from collections.abc import Callable
 from typing import Any, Protocol
-
-import psycopg
 
 from agent_inbox import citus, db, errors
 from agent_inbox.records import ClaimPolicy
@@ -303,16 +300,7 @@ class PerBucket:
                 with citus.node_may_fail(conn, failures, self._nodes, [bucket]):
                     return call(conn)
             return None
-        began = time.monotonic()
-        try:
-            with self._node_pools.connection(bucket) as node:
-                answer = call(node)
-        except psycopg.OperationalError as exc:
-            failures.append(exc)
-            self._nodes.failed([bucket], exc, time.monotonic() - began)
-            return None
-        self._nodes.answered([bucket])
-        return answer
+        return self._node_pools.call([bucket], failures, call)
 
     def groups(self, items, user_of):
         return citus.by_bucket(items, user_of) if items else []
