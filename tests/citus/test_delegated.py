@@ -6,6 +6,7 @@ finish with messages, memory and a release. What the coordinator sends is
 read from Citus's own log of remote commands (`citus.log_remote_commands`)."""
 
 import psycopg
+from psycopg import conninfo
 import pytest
 
 from agent_inbox import Inbox, Result, citus, errors, revision
@@ -70,3 +71,61 @@ def test_migrate_citus_installs_the_functions_and_a_worker_refuses_a_layout_with
         inbox.ingest("u", "chat", "1", {})
         [run] = inbox.take_runs("w", users=1)
         assert inbox.finish_run(run, Result())
+
+
+def planned_statements(conn, call) -> int:
+    """How many statements Citus planned anew ("Creating router plan", a
+    DEBUG2 message) while `call()` ran on `conn`."""
+    messages: list[str] = []
+
+    def heard(notice):
+        messages.append(notice.message_primary or "")
+
+    conn.add_notice_handler(heard)
+    conn.execute("SET client_min_messages = debug2")
+    try:
+        call()
+    finally:
+        conn.execute("RESET client_min_messages")
+        conn.remove_notice_handler(heard)
+    return sum(message == "Creating router plan" for message in messages)
+
+
+def test_on_the_buckets_node_a_warm_take_plans_nothing_per_user_and_a_finish_nothing(
+        database_url, inbox):
+    """Inside the functions only PICK and STALE are planned on each call; the
+    claim, the lease taken, the fence and the rest are fast-path statements
+    that Citus plans once per session (store/delegated.py's docstring). A
+    statement with a CTE over two tables, or a volatile function, would be
+    planned on every call, once per user taken in the take's claim."""
+    bucket = citus.bucket("u0")
+    users = [u for u in (f"u{n}" for n in range(3000)) if citus.bucket(u) == bucket][:4]
+    with psycopg.connect(database_url, autocommit=True) as conn:
+        nodes = citus.NodeMap()
+        nodes.groups(conn)
+        host, port = nodes.address(bucket)
+    node_url = conninfo.make_conninfo(database_url, host=host, port=port)
+    with psycopg.connect(node_url, autocommit=True) as conn:
+        def take_and_finish(take_users: list[str], round_: int) -> tuple[int, int]:
+            inbox.ingest_many([(user, "chat", f"{round_}-{n}", {}) for user in take_users
+                               for n in range(2)])
+            taken = []
+            take = planned_statements(conn, lambda: taken.extend(delegated.take(
+                conn, bucket, "w", 60, inbox.policy, None, 10)))
+            runs = inbox._as_runs("w", taken)
+            assert sorted(run.user for run in runs) == sorted(take_users)
+            assert all(len(run.events) == 2 for run in runs)
+            finished = []
+            finish = planned_statements(conn, lambda: finished.extend(
+                delegated.finish(conn, inbox.outcome(run, Result(memory={"n": round_})).finish,
+                                 None, release=True) for run in runs))
+            assert finished == [True] * len(runs)
+            return take, finish
+
+        for round_ in range(8):  # PostgreSQL's plan cache keeps a generic plan after 5 uses
+            take_and_finish(users, round_)
+        one_take, one_finish = take_and_finish(users[:1], 8)
+        four_takes, four_finishes = take_and_finish(users, 9)
+    assert (one_take, four_takes) == (2, 2)        # PICK and STALE
+    assert (one_finish, four_finishes) == (0, 0)
+    assert all(inbox.memory(user) == {"n": 9} for user in users)

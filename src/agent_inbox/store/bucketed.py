@@ -17,21 +17,22 @@ shards that locks nothing, citus.per_node). A worker node that does not
 answer holds up only its own users: the reads skip it, and every transaction
 here is about one bucket, on one node.
 
-* **take** (one bucket, one transaction; TAKE_WORK): PICK locks, in wake
-  order, the free leases of users with claimable work (SKIP LOCKED); STALE
-  locks the leases of the users whose due wakes PICK read past and cannot
-  take, and says when each is next due; TOOK takes the picked leases and
-  deletes exactly the wakes PICK and STALE read (by id: a wake inserted since,
-  by an ingest or a release, is not theirs to delete); the next wakes are
-  inserted; each taken user's events are claimed (CLAIM_TALLY).
-* **finish** (one run, one transaction, its lease row locked first; FINISH):
-  FENCE checks the run's fence and, if it holds, closes its events, releases
-  the lease and deletes the user's wakes, in one snapshot; then its messages,
-  the delivery due time and its timers; then, in a later snapshot, the wake
-  the user's remaining work calls for. An ingest that commits between the
-  two keeps its own wake (FENCE's snapshot did not show it) and one that
-  committed before is seen by the later check, so no work is left without a
-  wake.
+* **take** (one bucket, one transaction; TAKE_WORK; its steps after STALE
+  are store/delegated.py's): PICK locks, in wake order, the free leases of
+  users with claimable work (SKIP LOCKED); STALE locks the leases of the users
+  whose due wakes PICK read past and cannot take, and says when each is next
+  due; then the picked leases are taken, exactly the wakes PICK and STALE read
+  are deleted (by id: a wake inserted since, by an ingest or a release, is not
+  theirs to delete), the next wakes are inserted, and each taken user's events
+  are claimed.
+* **finish** (one run, one transaction, its lease row locked first;
+  store/delegated.py's FINISH): the run's fence is checked and, if it holds,
+  its events are closed, the lease released and the user's wakes deleted;
+  then its messages, the delivery due time and its timers; then, in a later
+  snapshot, a wake now if the run failed or other events are open.
+  An ingest that commits between the two keeps its own wake (the deletion's
+  snapshot did not show it) and one that committed before is seen by the
+  later check, so no work is left without a wake.
 * **release and give-back** (RELEASE, HAND_BACK): per user, in user order:
   the lease expired if this holder still holds it in that generation (the
   fence), then its events marked (release) or their claims undone
@@ -54,7 +55,7 @@ import json
 from agent_inbox import citus
 from agent_inbox.store import approvals, inbox, lease, notify, steps, timers
 from agent_inbox.store.clock import DB_CLOCK, NOW
-from agent_inbox.store.inbox import CLAIM_STEPS, LOOK
+from agent_inbox.store.inbox import LOOK
 
 # An open event of the user `w.user_id` (in the bucket) is claimable now.
 _CLAIMABLE = inbox.claimable("w.user_id", NOW, bucket="%(bucket)s")
@@ -104,48 +105,7 @@ SELECT w.user_id, w.id, l.next_at
           FOR UPDATE OF l SKIP LOCKED) l
 """
 
-# The picked leases taken (locked by PICK in this transaction), and the wakes
-# PICK and STALE read deleted, by id.
-TOOK = f"""
-WITH clock AS (
-    SELECT {NOW} AS now
-), took AS (
-    UPDATE leases l
-       SET holder = %(holder)s, gen = l.gen + 1, until = clock.now + %(ttl)s
-      FROM clock
-     WHERE l.bucket = %(bucket)s AND l.user_id = ANY(%(users)s::text[])
- RETURNING l.user_id, l.gen, l.until, clock.now
-), slept AS (
-    DELETE FROM wakes w
-     WHERE w.bucket = %(bucket)s AND w.user_id = ANY(%(read_users)s::text[])
-       AND w.id = ANY(%(read_ids)s::bigint[])
-)
-SELECT user_id, gen, until, now FROM took
-"""
-
 WAKE = "INSERT INTO wakes (bucket, user_id, at) VALUES (%(bucket)s, %(user)s, %(at)s)"
-
-# CLAIM (store/inbox.py) for a lease just taken, with TAKE_WORK's tally: events
-# parked dead by this claim, and events claimed again after a run that ended
-# without a finish. One row per claimed event (a NULL event if none). Written
-# for one user like CLAIM and routed as it is (citus.route adds the bucket).
-CLAIM_TALLY = f"""
-WITH run AS (  -- from the first event: this path keeps no low-water mark (its wakes
-               -- name no event, its finishes raise none: inbox.low_water)
-    SELECT l.user_id, l.gen, clock.now, 0::bigint AS from_id
-      FROM leases l, (SELECT {NOW} AS now) clock
-     WHERE l.user_id = %(user)s AND {lease.fenced("%(holder)s", "%(gen)s", "clock.now")}
-), {CLAIM_STEPS}, tally AS (
-    SELECT count(*) FILTER (WHERE status = 'dead') AS died,
-           count(*) FILTER (WHERE status = 'running' AND old_status = 'running') AS unfinished
-      FROM changed
-)
-SELECT tally.died, tally.unfinished,
-       (SELECT m.doc FROM memory m WHERE m.user_id = %(user)s) AS memory, claimed.*
-  FROM tally LEFT JOIN claimed ON true
- ORDER BY claimed.id
-"""
-
 
 def _due(conn, nodes: citus.NodeMap, statement: str, now: int | None,
          pools: citus.NodePools | None = None) -> list[int]:
@@ -162,50 +122,6 @@ def due_buckets(conn, nodes: citus.NodeMap, now: int | None,
     return _due(conn, nodes, DUE_BUCKETS, now, pools)
 
 
-# FINISH's fence for one run, and what it writes in the run's own snapshot:
-# the events closed and, in FENCE_RELEASE, the lease released and the user's
-# wakes deleted (the next wake is decided after, see the module's docstring).
-# Two statements, not one with a flag: Citus cannot plan a modifying CTE whose
-# condition folds to false.
-_FENCE_STEPS = f"""clock AS (
-    SELECT {NOW} AS now
-), lease AS (
-    SELECT 1 FROM leases l, clock
-     WHERE l.bucket = %(bucket)s AND l.user_id = %(user)s
-       AND {lease.fenced("%(holder)s", "%(gen)s", "clock.now")}
-), mine AS (
-    SELECT e.id FROM events e
-     WHERE e.bucket = %(bucket)s AND e.user_id = %(user)s AND e.id = ANY(%(ids)s::bigint[])
-       AND {lease.claimed_by("%(gen)s")}
-), verdict AS (
-    SELECT EXISTS (SELECT 1 FROM lease)
-           AND (SELECT count(*) FROM mine) = cardinality(%(ids)s::bigint[]) AS ok
-), closed AS (
-    UPDATE events e
-       SET status = CASE WHEN %(error)s::text IS NULL THEN 'done' ELSE 'pending' END,
-           error = %(error)s::text
-      FROM verdict
-     WHERE verdict.ok AND e.bucket = %(bucket)s AND e.user_id = %(user)s
-       AND e.id = ANY(%(ids)s::bigint[]) AND {lease.claimed_by("%(gen)s")}
-)"""
-
-FENCE = f"""
-WITH {_FENCE_STEPS}
-SELECT ok FROM verdict
-"""
-
-FENCE_RELEASE = f"""
-WITH {_FENCE_STEPS}, released AS (
-    UPDATE leases l SET until = clock.now - 1
-      FROM clock, verdict
-     WHERE verdict.ok AND l.bucket = %(bucket)s AND l.user_id = %(user)s
-), rested AS (
-    DELETE FROM wakes w USING verdict
-     WHERE verdict.ok AND w.bucket = %(bucket)s AND w.user_id = %(user)s
-)
-SELECT ok FROM verdict
-"""
-
 QUEUE = f"""
 INSERT INTO outbox (bucket, user_id, body, urgent, created, traceparent)
 VALUES (%(bucket)s, %(user)s, %(body)s, %(urgent)s, {NOW}, %(traceparent)s)
@@ -219,16 +135,6 @@ INSERT INTO deliveries AS d (bucket, user_id, due_at) VALUES (%(bucket)s, %(user
                       AND d.due_at IS NOT NULL THEN d.due_at
                      ELSE least(d.due_at, excluded.due_at) END
 """
-
-# FINISH's `woke`, in a snapshot after FENCE's: a wake now if the run failed
-# (its events go back) or other events are open (this transaction sees the
-# run's own events closed already: FINISH's one snapshot did not, hence its
-# OFFSET).
-WORK_LEFT = f"""
-SELECT EXISTS (SELECT 1 FROM events e
-                WHERE e.bucket = %(bucket)s AND e.user_id = %(user)s AND {inbox.OPEN})
-"""
-
 
 # --- delivery ------------------------------------------------------------------
 

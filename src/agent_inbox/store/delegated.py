@@ -3,21 +3,38 @@ worker node that holds the bucket.
 
 On a Citus coordinator every statement is planned twice (by the coordinator,
 to route it, and by the worker node that runs it) and is a round trip between
-them; a run's take and finish were ten such statements (store/bucketed.py's
-sequences). Here each is one call: `agent_inbox_take(bucket, ...)` and
-`agent_inbox_finish(bucket, ...)` are PL/pgSQL functions distributed by their
-first argument, co-located with `leases` and forced to delegate
+them. Here each of the take and the finish is one call: `agent_inbox_take(bucket,
+...)` and `agent_inbox_finish(bucket, ...)` are PL/pgSQL functions distributed
+by their first argument, co-located with `leases` and forced to delegate
 (`create_distributed_function(..., force_delegation => true)`): the
-coordinator sends the call to the node holding `bucket`, the function's
-statements run there against its local shards (every one of them filters on
-that bucket, so each is a local router query), and PL/pgSQL caches their plans.
+coordinator, or a worker node called directly (run_path.py's direct mode),
+sends the call to the node holding `bucket`, and the function's statements
+run there against its local shards.
 
-The functions' bodies are bucketed.py's statements themselves (and, routed
-for one bucket, the shared ones of store/inbox.py, steps.py and memory.py),
-with their parameters bound to the function's arguments (`%(x)s` becomes
-`p_x`), so there is one spelling of each step; the order of the steps, and so
-every invariant bucketed.py states for it, is the same. They are
-(re)installed by `migrate --citus` (`install`), after the tables are laid out.
+**Why most statements are single-table ones.** Inside the function Citus
+still plans each statement on every execution unless it is a *fast-path*
+query: one distributed table, filtered by `bucket = <a parameter>`, no CTE,
+no subquery, and no volatile function (`clock_timestamp()`, `random()`, a
+sequence's default). Those Citus plans once, and runs on a cached plan of
+the local shard; a statement with CTEs over several tables (the plain path's
+shape) was planned three times per execution (PostgreSQL's planner inside
+Citus's, Citus's router planner, then the deparsed shard query), 1-3 ms of
+a node's CPU each. So the clock is read once into `v_now` (the finish reads
+it after locking the lease, never before a wait for it), the claim's jitter
+is drawn in a statement on no table, and the steps bucketed.py describes
+are written as single-table statements, ordered so that each invariant it
+states still holds under READ COMMITTED: the user's lease row is locked
+first (the finish) or by PICK (the take), so no other transaction changes
+that user's lease or open events until this one ends. Only PICK and STALE,
+which read wakes beside leases, are planned on each call.
+
+The rules are not spelled twice: the fence is lease.fenced and
+lease.claimed_by; the claim is store/inbox.py's open_to_claim, CLAIM_RANKS,
+CLAIM_PLAN and claim_set; the other single-user statements are the shared
+ones of bucketed.py, steps.py and memory.py, routed to the bucket and with
+their parameters bound to the function's arguments (`%(x)s` becomes `p_x`).
+The functions are (re)installed by `migrate --citus` (`install`), after the
+tables are laid out.
 
 What stays with the caller, on the coordinator, in the finish's transaction:
 the run's messages (bucketed.QUEUE: their ids, which order a user's messages
@@ -38,7 +55,8 @@ from agent_inbox import citus
 from agent_inbox.records import ClaimPolicy, Event
 from agent_inbox.store import bucketed, lease, memory, notify, steps
 from agent_inbox.store.clock import DB_CLOCK, NOW
-from agent_inbox.store.inbox import Finish
+from agent_inbox.store.inbox import (CLAIM_PLAN, CLAIM_RANKS, EVENT_COLUMNS, OPEN, Finish, claim_set,
+                                    open_to_claim)
 
 _PARAM = re.compile(r"%\((\w+)\)s")
 
@@ -52,11 +70,24 @@ def _bound(statement: str, **arguments: str) -> str:
     return _PARAM.sub(lambda m: arguments.get(m[1], f"p_{m[1]}"), statement).strip()
 
 
-_WAKE_NOW = _bound(bucketed.WAKE, at=_bound(NOW))
+def _planned(key: str, cast: str = "") -> str:
+    """What the claim's plan says of the event `e` in its UPDATE (see TAKE): a
+    lookup in a jsonb object by the event's id, not an array subscript (Citus
+    13.2's deparser fails on a subscript of a parameter there)."""
+    return f"(v_plan -> e.id::text ->> '{key}'){cast}"
+
+
+_WAKE_NOW = _bound(bucketed.WAKE, at="v_now")
 
 FINISH_SIGNATURE = ("agent_inbox_finish(int, text, text, bigint, bigint[], text, boolean, "
                     "boolean, jsonb, boolean, boolean, bigint)")
 
+# bucketed.py's finish, one single-table statement at a time (see the module's
+# docstring). With the lease row locked first, nothing else changes the run's
+# lease or its events until this transaction ends, so the fence checked by the
+# first statements still holds for the writes after them; the look for work
+# left comes after the release deleted the user's wakes, in a later snapshot,
+# as bucketed.py requires.
 FINISH = f"""
 CREATE OR REPLACE FUNCTION agent_inbox_finish(
     p_bucket int, p_user text, p_holder text, p_gen bigint, p_ids bigint[], p_error text,
@@ -65,17 +96,29 @@ CREATE OR REPLACE FUNCTION agent_inbox_finish(
 RETURNS boolean LANGUAGE plpgsql AS $fn$
 #variable_conflict use_column
 DECLARE
+    v_lease record;
+    v_now bigint;
     v_ok boolean;
-    v_left boolean;
 BEGIN
-    {_bound(lease.LOCK).replace("SELECT", "PERFORM", 1)};
-    IF p_release THEN
-        {_bound(bucketed.FENCE_RELEASE)} INTO v_ok;
-    ELSE
-        {_bound(bucketed.FENCE)} INTO v_ok;
+    {_bound(lease.LOCK).replace(" FROM", " INTO v_lease FROM", 1)};
+    v_now := {_bound(NOW)};  -- read with the lease locked, never before a wait for it
+    v_ok := coalesce({lease.fenced("p_holder", "p_gen", "v_now", lease="v_lease")}, false);
+    IF v_ok THEN
+        SELECT count(*) = cardinality(p_ids) INTO v_ok
+          FROM events e
+         WHERE e.bucket = p_bucket AND e.user_id = p_user AND e.id = ANY(p_ids)
+           AND {lease.claimed_by("p_gen")};
     END IF;
     IF NOT v_ok THEN
         RETURN false;
+    END IF;
+    UPDATE events e
+       SET status = CASE WHEN p_error IS NULL THEN 'done' ELSE 'pending' END, error = p_error
+     WHERE e.bucket = p_bucket AND e.user_id = p_user AND e.id = ANY(p_ids)
+       AND {lease.claimed_by("p_gen")};
+    IF p_release THEN
+        UPDATE leases l SET until = v_now - 1 WHERE l.bucket = p_bucket AND l.user_id = p_user;
+        DELETE FROM wakes w WHERE w.bucket = p_bucket AND w.user_id = p_user;
     END IF;
     IF p_error IS NULL AND p_forget THEN
         {_bound(steps.FORGET)};
@@ -84,15 +127,16 @@ BEGIN
         IF p_memory IS NULL THEN
             {_bound(memory.DELETE.split(" RETURNING")[0])};
         ELSE
-            {_bound(memory.UPSERT, doc="p_memory", by="p_holder")};
+            {_bound(memory.UPSERT, doc="p_memory", by="p_holder", now="v_now")};
         END IF;
     END IF;
     IF p_error IS NULL AND p_queued THEN  -- the caller queues the messages
-        {_bound(bucketed.PACED)};
+        {_bound(bucketed.PACED, now="v_now")};
     END IF;
-    IF p_release THEN
-        {_bound(bucketed.WORK_LEFT)} INTO v_left;
-        IF p_error IS NOT NULL OR v_left THEN
+    IF p_release THEN  -- a wake now if the run failed or other events are open
+        PERFORM 1 FROM events e
+          WHERE e.bucket = p_bucket AND e.user_id = p_user AND {OPEN} LIMIT 1;
+        IF p_error IS NOT NULL OR FOUND THEN
             {_WAKE_NOW};
         END IF;
     END IF;
@@ -110,15 +154,17 @@ TAKE_COLUMNS = ("taken_user text, taken_gen bigint, taken_at bigint, died bigint
                 "claim_gen bigint, created_at bigint, available_at bigint, claimed_at bigint, "
                 "kind text, traceparent text")
 
-# CLAIM_TALLY for the i-th user taken, its rows led by the run's user,
-# generation and claim time (a data-modifying WITH cannot be a subquery).
-_TALLY = "SELECT tally.died,"
-assert bucketed.CLAIM_TALLY.count(_TALLY) == 1
-_CLAIM_TAKEN = _bound(bucketed.CLAIM_TALLY, user="v_order[i]", gen="v_gens[v_n]").replace(
-    _TALLY, "SELECT v_order[i], v_gens[v_n], v_claimed[v_n], tally.died,")
-
 TAKE_SIGNATURE = "agent_inbox_take(int, text, int, int, bigint, int, int, int, int)"
 
+# bucketed.py's take. PICK and STALE are as bucketed.py spells them; the
+# leases taken, the wakes read deleted and each user's claim are single-table
+# statements (see the module's docstring). The claim is store/inbox.py's,
+# in three steps: the user's open rows read (open_to_claim), their new
+# states planned over those values (CLAIM_RANKS, CLAIM_PLAN: a statement on
+# no table), and the changed rows written by id (claim_set), each re-checked
+# on its newest version against the (status, attempts) read, as the plain
+# claim re-checks. This transaction took the user's lease (locked since
+# PICK) just before, so the claim is behind the lease's fence.
 TAKE = f"""
 CREATE OR REPLACE FUNCTION agent_inbox_take(
     p_bucket int, p_holder text, p_ttl int, p_users int, p_now bigint,
@@ -127,6 +173,7 @@ RETURNS TABLE ({TAKE_COLUMNS}) LANGUAGE plpgsql AS $fn$
 #variable_conflict use_column
 DECLARE
     r record;
+    v_now bigint := {_bound(NOW)};
     v_picked int := 0;
     v_order text[] := '{{}}';
     v_read_users text[] := '{{}}';
@@ -135,12 +182,22 @@ DECLARE
     v_stale_ats bigint[] := '{{}}';
     v_taken_users text[] := '{{}}';
     v_gens bigint[] := '{{}}';
-    v_claimed bigint[] := '{{}}';
     v_at bigint;
     v_id bigint;
-    v_n int;
+    v_user text;
+    v_gen bigint;
+    v_ids bigint[];
+    v_statuses text[];
+    v_attempts int[];
+    v_availables bigint[];
+    v_p_ids bigint[];
+    v_plan jsonb;
+    v_claimed_ids bigint[];
+    v_died bigint;
+    v_unfinished bigint;
+    v_doc jsonb;
 BEGIN
-    FOR r IN {_bound(bucketed.PICK)} LOOP
+    FOR r IN {_bound(bucketed.PICK, now="v_now")} LOOP
         v_picked := v_picked + 1;
         IF NOT r.user_id = ANY (v_order) THEN
             v_order := v_order || r.user_id;
@@ -151,10 +208,10 @@ BEGIN
         v_id := r.id;
     END LOOP;
     IF v_picked < p_users THEN  -- every due wake was read
-        v_at := greatest({_bound(NOW)}, {DB_CLOCK});
+        v_at := greatest(v_now, {DB_CLOCK});
         v_id := 9223372036854775807;
     END IF;
-    FOR r IN {_bound(bucketed.STALE, at="v_at", id="v_id")} LOOP
+    FOR r IN {_bound(bucketed.STALE, at="v_at", id="v_id", now="v_now")} LOOP
         v_read_users := v_read_users || r.user_id;
         v_read_ids := v_read_ids || r.id;
         IF r.next_at IS NOT NULL THEN
@@ -162,24 +219,82 @@ BEGIN
             v_stale_ats := v_stale_ats || r.next_at;
         END IF;
     END LOOP;
-    FOR r IN {_bound(bucketed.TOOK, users="v_order", read_users="v_read_users",
-                     read_ids="v_read_ids")} LOOP
+    FOR r IN UPDATE leases l SET holder = p_holder, gen = l.gen + 1, until = v_now + p_ttl
+              WHERE l.bucket = p_bucket AND l.user_id = ANY(v_order)
+          RETURNING l.user_id, l.gen, l.until LOOP
         v_taken_users := v_taken_users || r.user_id;
         v_gens := v_gens || r.gen;
-        v_claimed := v_claimed || r.now;
         {_bound(bucketed.WAKE, user="r.user_id", at="r.until + 1")};
     END LOOP;
+    DELETE FROM wakes w
+     WHERE w.bucket = p_bucket AND w.user_id = ANY(v_read_users) AND w.id = ANY(v_read_ids);
     FOR r IN SELECT DISTINCT s.u, s.a FROM unnest(v_stale_users, v_stale_ats) AS s(u, a)
               ORDER BY s.u, s.a LOOP
         {_bound(bucketed.WAKE, user="r.u", at="r.a")};
     END LOOP;
     FOR i IN 1 .. cardinality(v_order) LOOP
-        v_n := array_position(v_taken_users, v_order[i]);
-        RETURN QUERY {_CLAIM_TAKEN};
+        v_user := v_order[i];
+        v_gen := v_gens[array_position(v_taken_users, v_user)];
+        SELECT coalesce(array_agg(e.id ORDER BY e.id), '{{}}'), array_agg(e.status ORDER BY e.id),
+               array_agg(e.attempts ORDER BY e.id), array_agg(e.available_at ORDER BY e.id)
+          INTO v_ids, v_statuses, v_attempts, v_availables
+          FROM events e
+         WHERE e.bucket = p_bucket AND e.user_id = v_user AND {open_to_claim("v_gen")};
+        SELECT array_agg(p.id), jsonb_object_agg(p.id, jsonb_build_object(
+                   'status', p.status, 'old_status', p.old_status,
+                   'old_attempts', p.old_attempts, 'jitter', p.jitter))
+          INTO v_p_ids, v_plan
+          FROM (WITH run AS (SELECT v_gen AS gen, v_now AS now), open AS (
+                    SELECT NULL::tid AS version, e.user_id, e.id, e.status, e.attempts,
+                           run.gen, run.now, {CLAIM_RANKS}
+                      FROM run, unnest(array_fill(v_user, ARRAY[cardinality(v_ids)]), v_ids,
+                                       v_statuses, v_attempts, v_availables)
+                                AS e(user_id, id, status, attempts, available_at)
+                ), {CLAIM_PLAN}
+                SELECT * FROM plan WHERE plan.status <> 'pending') p;
+        v_died := 0;
+        v_unfinished := 0;
+        v_claimed_ids := '{{}}';
+        FOR r IN UPDATE events e
+                    SET {claim_set(_planned("status"), "v_gen", "v_now",
+                                   _planned("jitter", "::float8"))}
+                  WHERE e.bucket = p_bucket AND e.user_id = v_user AND e.id = ANY(v_p_ids)
+                    AND e.status = {_planned("old_status")}
+                    AND e.attempts = {_planned("old_attempts", "::int")}
+              RETURNING e.id, e.status, {_planned("old_status")} AS old_status LOOP
+            IF r.status = 'dead' THEN
+                v_died := v_died + 1;
+            ELSIF r.status = 'running' THEN
+                v_claimed_ids := v_claimed_ids || r.id;
+                IF r.old_status = 'running' THEN
+                    v_unfinished := v_unfinished + 1;
+                END IF;
+            END IF;
+        END LOOP;
+        SELECT m.doc INTO v_doc FROM memory m WHERE m.bucket = p_bucket AND m.user_id = v_user;
+        IF cardinality(v_claimed_ids) = 0 THEN
+            taken_user := v_user;
+            taken_gen := v_gen;
+            taken_at := v_now;
+            died := v_died;
+            unfinished := v_unfinished;
+            doc := v_doc;
+            RETURN NEXT;
+        ELSE
+            RETURN QUERY SELECT v_user, v_gen, v_now, v_died, v_unfinished, v_doc, {EVENT_COLUMNS}
+                           FROM events e
+                          WHERE e.bucket = p_bucket AND e.user_id = v_user
+                            AND e.id = ANY(v_claimed_ids)
+                          ORDER BY e.id;
+        END IF;
     END LOOP;
 END
 $fn$
 """
+
+# The claim's and the fence's shared parts name the policy's parameters:
+# the function's arguments.
+FINISH, TAKE = _PARAM.sub(lambda m: f"p_{m[1]}", FINISH), _PARAM.sub(lambda m: f"p_{m[1]}", TAKE)
 
 FUNCTIONS = ((FINISH, FINISH_SIGNATURE), (TAKE, TAKE_SIGNATURE))
 

@@ -117,18 +117,25 @@ def low_water(user: str, lease: str = "l", rings: str | None = wake_rings.LIVE) 
 # quarantine. Rows whose state does not change are not written. TAKE_WORK locks the lease in
 # the same statement, after its snapshot was taken: the UPDATE re-checks each row
 # against the snapshot's (status, attempts), so a stale row is never claimed.
-CLAIM_STEPS = f"""
-open AS (
-    SELECT e.version, e.user_id, e.id, e.status, e.attempts, run.gen, run.now,
-           e.attempts >= %(max_attempts)s AS exhausted, e.available_at <= run.now AS due,
-           row_number() OVER (PARTITION BY e.user_id ORDER BY e.attempts > 0, e.id) AS fresh_rank
-      FROM run CROSS JOIN LATERAL (  -- each user's open events by index, never a scan of
-                                     -- all (OFFSET 0: not flattened into a join)
-           SELECT e.ctid AS version, e.* FROM events e
-            WHERE e.user_id = run.user_id AND e.id >= run.from_id
-              AND (e.status = 'pending' OR (e.status = 'running' AND e.claim_gen < run.gen))
-           OFFSET 0) e
-), retry AS (
+#
+# The claim's shared parts, one spelling for this statement and for the Citus
+# take (store/delegated.py), which reads a user's open rows and writes their
+# new states in separate single-table statements:
+# open_to_claim: the rows a claim in generation `gen` looks at (an event's
+# alias `e`); CLAIM_RANKS: what `plan` needs of each (beside `run.now`);
+# CLAIM_PLAN: each row's new status, over `open(version, user_id, id, status,
+# attempts, gen, now, exhausted, due, fresh_rank)`; claim_set: the columns a
+# claim writes, from a row's new status and the claim's generation, time and
+# jitter (SQL expressions).
+
+
+def open_to_claim(gen: str) -> str:
+    return f"(e.status = 'pending' OR (e.status = 'running' AND e.claim_gen < {gen}))"
+
+
+CLAIM_RANKS = """e.attempts >= %(max_attempts)s AS exhausted, e.available_at <= run.now AS due,
+           row_number() OVER (PARTITION BY e.user_id ORDER BY e.attempts > 0, e.id) AS fresh_rank"""
+CLAIM_PLAN = """retry AS (
     SELECT user_id, min(id) AS id FROM open
      WHERE NOT exhausted AND attempts > 0 AND due
      GROUP BY user_id
@@ -141,18 +148,37 @@ open AS (
                 THEN 'running'
                 ELSE 'pending' END AS status
       FROM open o LEFT JOIN retry r ON r.user_id = o.user_id
-), changed AS (
-    UPDATE events e
-       SET status = p.status,
-           attempts = e.attempts + (p.status = 'running')::int,
-           claim_gen = CASE WHEN p.status = 'running' THEN p.gen ELSE e.claim_gen END,
-           claimed_at = CASE WHEN p.status = 'running' THEN p.now ELSE e.claimed_at END,
-           available_at = CASE WHEN p.status = 'running'
-                               THEN p.now + floor(least(%(backoff_cap)s::float8,
+)"""
+
+
+def claim_set(status: str, gen: str, now: str, jitter: str) -> str:
+    """The SET list of a claim's UPDATE of an event `e` whose new status is
+    `status` (see CLAIM_PLAN)."""
+    return f"""status = {status},
+           attempts = e.attempts + ({status} = 'running')::int,
+           claim_gen = CASE WHEN {status} = 'running' THEN {gen} ELSE e.claim_gen END,
+           claimed_at = CASE WHEN {status} = 'running' THEN {now} ELSE e.claimed_at END,
+           available_at = CASE WHEN {status} = 'running'
+                               THEN {now} + floor(least(%(backoff_cap)s::float8,
                                                           %(backoff_base)s * 2 ^ e.attempts)
-                                                    * p.jitter)::bigint
+                                                    * {jitter})::bigint
                                ELSE e.available_at END,
-           error = CASE WHEN p.status = 'dead' THEN 'too many attempts' ELSE e.error END
+           error = CASE WHEN {status} = 'dead' THEN 'too many attempts' ELSE e.error END"""
+
+
+CLAIM_STEPS = f"""
+open AS (
+    SELECT e.version, e.user_id, e.id, e.status, e.attempts, run.gen, run.now,
+           {CLAIM_RANKS}
+      FROM run CROSS JOIN LATERAL (  -- each user's open events by index, never a scan of
+                                     -- all (OFFSET 0: not flattened into a join)
+           SELECT e.ctid AS version, e.* FROM events e
+            WHERE e.user_id = run.user_id AND e.id >= run.from_id
+              AND {open_to_claim('run.gen')}
+           OFFSET 0) e
+), {CLAIM_PLAN}, changed AS (
+    UPDATE events e
+       SET {claim_set("p.status", "p.gen", "p.now", "p.jitter")}
       FROM plan p
      WHERE e.ctid = p.version  -- the row the plan read (found by a TID scan)
        -- a row left running by an older generation and not claimed now stays as
