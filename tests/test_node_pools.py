@@ -2,7 +2,9 @@
 calls sent straight to it (`citus_nodes="direct"`), on one plain server
 standing for a node: a connection is kept for the next call, one closed under
 it while idle (the node restarted) is found by the check before use and
-replaced, and one left in a transaction or broken is not kept. (On a real
+replaced, and one left in a transaction or broken is not kept; a call beyond
+`size` connections waits for one given back, and fails as the node's if none
+is within `wait`. (On a real
 cluster: tests/citus/test_direct.py and test_node_down.py.)"""
 
 import psycopg
@@ -20,6 +22,12 @@ class OneNode:
 
     def address(self, bucket: int):
         return self._address
+
+    def failed(self, buckets, exc, seconds):
+        pass
+
+    def answered(self, buckets):
+        pass
 
 
 @pytest.fixture
@@ -67,3 +75,53 @@ def test_one_left_in_a_transaction_is_not_kept(pools):
         conn.execute("BEGIN")
         left = conn.info.backend_pid
     assert backend(pools) != left
+
+
+def waiting(pools) -> int:
+    """How many calls wait for a connection to come back."""
+    return len(pools._returned._waiters)
+
+
+def test_a_call_beyond_size_waits_for_a_connection_given_back_and_opens_none(pools):
+    """size=2: with both connections in use, a third call waits for one of
+    them (a connection opened for one call would cost the node a backend's
+    start and its plans each time); it gets the first one given back."""
+    import threading
+
+    got = {}
+    with pools.connection(0) as first, pools.connection(0) as second:
+        assert first.info.backend_pid != second.info.backend_pid
+
+        def third():
+            with pools.connection(0) as conn:
+                got["pid"] = conn.info.backend_pid
+
+        caller = threading.Thread(target=third)
+        caller.start()
+        for _ in range(500):  # until the third call waits (or, wrongly, got one)
+            if waiting(pools) or got:
+                break
+            threading.Event().wait(0.01)
+        assert not got and waiting(pools) == 1
+        first_pid = first.info.backend_pid
+    caller.join(10)
+    assert got["pid"] in (first_pid, second.info.backend_pid)
+    with psycopg.connect(pools._url, autocommit=True) as conn:
+        [opened] = conn.execute("SELECT count(*) FROM pg_stat_activity"
+                                " WHERE application_name = 'node-pools-test'").fetchone()
+    assert opened == 2
+
+
+def test_a_call_that_finds_no_connection_free_within_wait_fails_as_the_nodes(
+        agent_inbox_database):
+    pools = citus.NodePools(agent_inbox_database, OneNode(agent_inbox_database),
+                            lambda url: db.connect(url, name="node-pools-test"), size=1, wait=0.2)
+    try:
+        with pools.connection(0):
+            failures = []
+            assert pools.call([0], failures, lambda conn: 1) is None
+        [failure] = failures
+        assert isinstance(failure, psycopg.OperationalError) and "came free" in str(failure)
+        assert pools.call([0], [], lambda conn: 1) == 1   # given back: free again
+    finally:
+        pools.close()

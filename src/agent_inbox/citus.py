@@ -266,15 +266,21 @@ it is used again: a node restarted meanwhile has closed it."""
 
 class NodePools:
     """Connections to each worker node, opened when wanted and kept for the
-    next call (at most `size` idle per node), for the calls the run path sends
-    straight to the node that holds their bucket (`citus_nodes="direct"`):
-    Citus routes a statement from any node (every node has the metadata since
-    Citus 11), so a call sent to the bucket's own node runs there, and the
-    coordinator neither plans nor relays it. Each node's address is the one
-    the coordinator reaches it by (NodeMap, from pg_dist_node), with the rest
-    of the coordinator's URL (database, role, password, options); a bucket
-    moved since the map's last read is still found by its old node, which
-    relays the call, until the map is read again.
+    next call, at most `size` per node, in use or idle, for the calls the run
+    path sends straight to the node that holds their bucket
+    (`citus_nodes="direct"`): Citus routes a statement from any node (every
+    node has the metadata since Citus 11), so a call sent to the bucket's own
+    node runs there, and the coordinator neither plans nor relays it. Each
+    node's address is the one the coordinator reaches it by (NodeMap, from
+    pg_dist_node), with the rest of the coordinator's URL (database, role,
+    password, options); a bucket moved since the map's last read is still
+    found by its old node, which relays the call, until the map is read again.
+
+    A call that finds all `size` of its node's connections in use waits (at
+    most `wait` seconds) for one to come back, as a pool's would: a session
+    opened for one call and closed after it would cost the node a backend's
+    start, Citus's metadata cache and the functions' compiled plans each time
+    (store/delegated.py: planned once per session), more than the call.
 
     Not a psycopg_pool: a call about a node that refuses connections fails at
     once, as it does through the coordinator (a pool waits out its timeout for
@@ -284,10 +290,13 @@ class NodePools:
     round trip per call would cost what sending the call straight saves."""
 
     def __init__(self, url: str, nodes: NodeMap,
-                 connect: Callable[[str], psycopg.Connection], size: int):
-        self._url, self._nodes, self._connect, self._size = url, nodes, connect, size
+                 connect: Callable[[str], psycopg.Connection], size: int, wait: float = 30.0):
+        self._url, self._nodes, self._connect = url, nodes, connect
+        self._size, self._wait = size, wait
         self._idle: dict[tuple[str, int], list[tuple[psycopg.Connection, float]]] = {}
-        self._lock = threading.Lock()
+        self._open: dict[tuple[str, int], int] = {}  # per node: kept or in use
+        self._returned = threading.Condition()
+        self._shut = False
 
     @contextlib.contextmanager
     def connection(self, bucket: int) -> Iterator[psycopg.Connection]:
@@ -295,12 +304,11 @@ class NodePools:
         for the next call unless it broke or was left in a transaction;
         psycopg.OperationalError if none can be had."""
         address = self._nodes.address(bucket)
-        conn = self._kept(address) or self._connect(
-            make_conninfo(self._url, host=address[0], port=address[1]))
+        conn = self._take(address)
         try:
             yield conn
         finally:
-            self._keep(address, conn)
+            self._give_back(address, conn)
 
     def call(self, buckets: list[int], failures: list, work: Callable[[psycopg.Connection], T]
              ) -> T | None:
@@ -320,13 +328,32 @@ class NodePools:
         self._nodes.answered(buckets)
         return answer
 
-    def _kept(self, address) -> psycopg.Connection | None:
+    def _take(self, address) -> psycopg.Connection:
+        """A kept connection (checked if idle long), or a new one if fewer than
+        `size` are open, or else the first one given back within `wait`."""
+        deadline = time.monotonic() + self._wait
         while True:
-            with self._lock:
+            with self._returned:
+                while not self._idle.get(address) and self._open.get(address, 0) >= self._size:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        raise psycopg.OperationalError(
+                            f"no connection to the worker node {address[0]}:{address[1]} "
+                            f"came free within {self._wait:g} s (all {self._size} in use)")
+                    self._returned.wait(left)
                 kept = self._idle.get(address)
-                if not kept:
-                    return None
-                conn, idle_since = kept.pop()
+                if kept:
+                    conn, idle_since = kept.pop()
+                else:
+                    conn, idle_since = None, None
+                    self._open[address] = self._open.get(address, 0) + 1
+            if conn is None:
+                try:
+                    return self._connect(make_conninfo(self._url, host=address[0],
+                                                       port=address[1]))
+                except BaseException:
+                    self._closed(address)
+                    raise
             if time.monotonic() - idle_since <= IDLE_CHECK_S:
                 return conn
             try:
@@ -334,20 +361,27 @@ class NodePools:
                 return conn
             except psycopg.Error:  # closed under us: the node restarted
                 conn.close()
+                self._closed(address)
 
-    def _keep(self, address, conn: psycopg.Connection) -> None:
-        if not (conn.closed or conn.broken
-                or conn.info.transaction_status != psycopg.pq.TransactionStatus.IDLE):
-            with self._lock:
-                kept = self._idle.setdefault(address, [])
-                if len(kept) < self._size:
-                    kept.append((conn, time.monotonic()))
-                    return
-        conn.close()
+    def _give_back(self, address, conn: psycopg.Connection) -> None:
+        if self._shut or conn.closed or conn.broken \
+                or conn.info.transaction_status != psycopg.pq.TransactionStatus.IDLE:
+            conn.close()
+            self._closed(address)
+            return
+        with self._returned:
+            self._idle.setdefault(address, []).append((conn, time.monotonic()))
+            self._returned.notify()
+
+    def _closed(self, address) -> None:
+        with self._returned:
+            self._open[address] = self._open.get(address, 1) - 1
+            self._returned.notify()
 
     def close(self) -> None:
-        with self._lock:
+        with self._returned:
             kept, self._idle = [c for conns in self._idle.values() for c, _ in conns], {}
+            self._open, self._shut = {}, True
         for conn in kept:
             conn.close()
 

@@ -276,7 +276,7 @@ class PerBucket:
         self._pool = pool
         self._nodes = citus.NodeMap()  # which buckets each worker node holds; hung ones
         self._node_pools = (citus.NodePools(pool.conninfo, self._nodes, connect_node,
-                                            size=pool.max_size)
+                                            size=pool.max_size, wait=pool.timeout)
                             if connect_node is not None else None)
 
     def close(self):
