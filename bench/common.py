@@ -247,12 +247,22 @@ def open_count_query(system: str) -> str:
     return "SELECT EXISTS (SELECT 1 FROM procrastinate_jobs WHERE status IN ('todo', 'doing'))::int"
 
 
+def poll_connection(url: str) -> psycopg.Connection:
+    """The connection a drain's poll asks on (autocommit). On Citus its reads
+    across shards use one connection a node (`citus.max_adaptive_executor_pool_size`;
+    a placeholder setting elsewhere): by default a slow shard makes Citus open
+    more connections per read and close them after it, so the poll's cost
+    under load would be many times what calibrate_poll measured alone."""
+    return psycopg.connect(url, autocommit=True, application_name="bench-poll",
+                           options="-c citus.max_adaptive_executor_pool_size=1")
+
+
 def wait_drained(url: str, system: str, workers: Workers | None, timeout: float,
                  interval: float = 0.05) -> float:
     """Poll every `interval` s until no work is open; the wall time (time.time()) then."""
     query = open_count_query(system)
     deadline = time.monotonic() + timeout
-    with psycopg.connect(url, autocommit=True, application_name="bench-poll") as conn:
+    with poll_connection(url) as conn:
         while True:
             if conn.execute(query).fetchone()[0] == 0:
                 return time.time()

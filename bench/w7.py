@@ -49,8 +49,8 @@ from psycopg import conninfo
 
 from agent_inbox import Inbox, citus, migrate, pgserver
 from bench import workloads
-from bench.common import (RESULTS, open_count_query, resources, server_cpu_seconds,
-                          src_fingerprint)
+from bench.common import (RESULTS, open_count_query, poll_connection, resources,
+                          server_cpu_seconds, src_fingerprint)
 from bench.run import FULL, machine
 
 OUT = RESULTS / "w7.json"
@@ -168,7 +168,7 @@ class Side:
         """CPU seconds per second each node spends answering the drain's 50 ms
         poll alone (no worker running), subtracted from the drains' CPU."""
         query = open_count_query("ours")
-        with psycopg.connect(url, autocommit=True, application_name="bench-poll") as conn:
+        with poll_connection(url) as conn:
             before, t0 = self.cpu(), time.monotonic()
             while time.monotonic() - t0 < POLL_CALIBRATION_S:
                 conn.execute(query).fetchone()

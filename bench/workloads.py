@@ -21,7 +21,7 @@ from agent_inbox.store import inbox as inbox_store, wake_rings
 
 from bench import records
 from bench.common import (TreeSampler, Workers, check_runs, ours_worker_help, percentile,
-                          reset_ours, reset_peer, resources, scalar, sql, stop_processes,
+                          poll_connection, reset_ours, reset_peer, resources, scalar, sql, stop_processes,
                           vacuum_analyze, wait_drained)
 from bench.peer_app import AGENT_SYNC_TASK, AGENT_TASK, TASK_NAME, build_app
 
@@ -640,7 +640,7 @@ def agents(system: str, url: str, *, users: int, concurrency: int, handler: str,
     try:
         deadline = time.monotonic() + timeout
         last_done, last_progress = -1, time.monotonic()
-        with psycopg.connect(url, autocommit=True, application_name="bench-poll") as conn:
+        with poll_connection(url) as conn:
             while True:
                 open_, done = conn.execute(query).fetchone()
                 now = time.monotonic()

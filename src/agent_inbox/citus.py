@@ -395,7 +395,7 @@ def per_node(conn: psycopg.Connection, nodes: NodeMap, statement: str,
     (whose shards they all are: it reads them there). A node that cannot be
     reached is skipped with a warning: its users wait for it while every other
     node's work goes on. In autocommit only (a failed read would abort a
-    transaction)."""
+    transaction); each read is a transaction of its own (`_one_connection`)."""
     rows, failures = [], []
     for buckets in nodes.groups(conn):
         if nodes.hung(buckets[0]) or conn.closed:  # timed out a moment ago: not asked
@@ -403,13 +403,27 @@ def per_node(conn: psycopg.Connection, nodes: NodeMap, statement: str,
         failed, asked = len(failures), {**params, "buckets": buckets}
         if pools is None:
             with node_may_fail(conn, failures, nodes, buckets):
-                rows += conn.execute(statement, asked).fetchall()
+                rows += _one_connection(conn, statement, asked)
         else:
             rows += pools.call(buckets, failures,
-                               lambda node: node.execute(statement, asked).fetchall()) or []
+                               lambda node: _one_connection(node, statement, asked)) or []
         if len(failures) > failed:
             nodes.skipped(buckets, failures[-1])
     return rows
+
+
+def _one_connection(conn: psycopg.Connection, statement: str, params: dict) -> list[tuple]:
+    """A read of many shards of one node without a connection per shard: in
+    autocommit Citus reads a node's shards in parallel over as many
+    connections as it opens (up to 16 a node), keeps one of them, and closes
+    the rest, so the node starts a backend for each on every read, the worker
+    node's own local shards included. In a transaction block, with one
+    connection a node, it reads them one by one: on the node itself, in its
+    own backend (local execution); from the coordinator, over the one
+    connection it keeps."""
+    with conn.transaction():
+        conn.execute("SET LOCAL citus.max_adaptive_executor_pool_size = 1")
+        return conn.execute(statement, params).fetchall()
 
 
 def first_line(exc: BaseException) -> str:
