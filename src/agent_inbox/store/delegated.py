@@ -21,8 +21,7 @@ shape) was planned three times per execution (PostgreSQL's planner inside
 Citus's, Citus's router planner, then the deparsed shard query), 1-3 ms of
 a node's CPU each. So the clock is read once into `v_now` (the finish reads
 it after locking the lease, never before a wait for it), the claim's jitter
-is drawn in a statement on no table, a wake's id is drawn from its sequence
-before the insert, and the steps bucketed.py describes
+is drawn in a statement on no table, and the steps bucketed.py describes
 are written as single-table statements, ordered so that each invariant it
 states still holds under READ COMMITTED: the user's lease row is locked
 first (the finish) or by PICK (the take), so no other transaction changes
@@ -78,18 +77,7 @@ def _planned(key: str, cast: str = "") -> str:
     return f"(v_plan -> e.id::text ->> '{key}'){cast}"
 
 
-def _wake(user: str, at: str) -> str:
-    """bucketed.WAKE for `user` at `at` (SQL expressions), its id drawn first
-    from the column's sequence (DECLAREd as `v_wakes_id`): left to the column's
-    default, the insert would hold a volatile function, and Citus would plan
-    its shard statement anew each time."""
-    assert bucketed.WAKE.startswith("INSERT INTO wakes (bucket, user_id, at) VALUES")
-    return (f"v_wake := nextval(v_wakes_id);\n"
-            f"        INSERT INTO wakes (bucket, user_id, at, id) OVERRIDING SYSTEM VALUE\n"
-            f"        VALUES (p_bucket, {user}, {at}, v_wake)")
-
-
-_WAKES_ID = "v_wakes_id regclass := pg_get_serial_sequence('wakes', 'id');\n    v_wake bigint;"
+_WAKE_NOW = _bound(bucketed.WAKE, at="v_now")
 
 FINISH_SIGNATURE = ("agent_inbox_finish(int, text, text, bigint, bigint[], text, boolean, "
                     "boolean, jsonb, boolean, boolean, bigint)")
@@ -111,7 +99,6 @@ DECLARE
     v_lease record;
     v_now bigint;
     v_ok boolean;
-    {_WAKES_ID}
 BEGIN
     {_bound(lease.LOCK).replace(" FROM", " INTO v_lease FROM", 1)};
     v_now := {_bound(NOW)};  -- read with the lease locked, never before a wait for it
@@ -150,7 +137,7 @@ BEGIN
         PERFORM 1 FROM events e
           WHERE e.bucket = p_bucket AND e.user_id = p_user AND {OPEN} LIMIT 1;
         IF p_error IS NOT NULL OR FOUND THEN
-            {_wake("p_user", "v_now")};
+            {_WAKE_NOW};
         END IF;
     END IF;
     RETURN true;
@@ -208,8 +195,7 @@ DECLARE
     v_claimed_ids bigint[];
     v_died bigint;
     v_unfinished bigint;
-    v_docs jsonb;
-    {_WAKES_ID}
+    v_doc jsonb;
 BEGIN
     FOR r IN {_bound(bucketed.PICK, now="v_now")} LOOP
         v_picked := v_picked + 1;
@@ -238,16 +224,14 @@ BEGIN
           RETURNING l.user_id, l.gen, l.until LOOP
         v_taken_users := v_taken_users || r.user_id;
         v_gens := v_gens || r.gen;
-        {_wake("r.user_id", "r.until + 1")};
+        {_bound(bucketed.WAKE, user="r.user_id", at="r.until + 1")};
     END LOOP;
     DELETE FROM wakes w
      WHERE w.bucket = p_bucket AND w.user_id = ANY(v_read_users) AND w.id = ANY(v_read_ids);
     FOR r IN SELECT DISTINCT s.u, s.a FROM unnest(v_stale_users, v_stale_ats) AS s(u, a)
               ORDER BY s.u, s.a LOOP
-        {_wake("r.u", "r.a")};
+        {_bound(bucketed.WAKE, user="r.u", at="r.a")};
     END LOOP;
-    SELECT jsonb_object_agg(m.user_id, m.doc) INTO v_docs  -- the users' memory
-      FROM memory m WHERE m.bucket = p_bucket AND m.user_id = ANY(v_order);
     FOR i IN 1 .. cardinality(v_order) LOOP
         v_user := v_order[i];
         v_gen := v_gens[array_position(v_taken_users, v_user)];
@@ -287,17 +271,17 @@ BEGIN
                 END IF;
             END IF;
         END LOOP;
+        SELECT m.doc INTO v_doc FROM memory m WHERE m.bucket = p_bucket AND m.user_id = v_user;
         IF cardinality(v_claimed_ids) = 0 THEN
             taken_user := v_user;
             taken_gen := v_gen;
             taken_at := v_now;
             died := v_died;
             unfinished := v_unfinished;
-            doc := v_docs -> v_user;
+            doc := v_doc;
             RETURN NEXT;
         ELSE
-            RETURN QUERY SELECT v_user, v_gen, v_now, v_died, v_unfinished, v_docs -> v_user,
-                                {EVENT_COLUMNS}
+            RETURN QUERY SELECT v_user, v_gen, v_now, v_died, v_unfinished, v_doc, {EVENT_COLUMNS}
                            FROM events e
                           WHERE e.bucket = p_bucket AND e.user_id = v_user
                             AND e.id = ANY(v_claimed_ids)
