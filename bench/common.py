@@ -240,10 +240,14 @@ class Workers:
 
 
 def open_count_query(system: str) -> str:
-    """1 while any work is open, else 0: EXISTS stops at the first open row, so the 50 ms
-    poll costs both systems next to nothing (a count(*) over 20,000 open rows would not)."""
+    """1 while any work is open, else 0: each read stops at the first open row, so the 50 ms
+    poll costs both systems next to nothing (a count(*) over 20,000 open rows would not).
+    Ours as a LIMIT 1, not EXISTS: on Citus an EXISTS over a distributed table is run as a
+    subplan that pulls every open row through the coordinator (195 kB, 33 ms a poll at W1's
+    start), where LIMIT 1 is pushed to each shard (10 bytes, 4 ms)."""
     if system == "ours":
-        return "SELECT EXISTS (SELECT 1 FROM events WHERE status IN ('pending', 'running'))::int"
+        return ("SELECT count(*)::int FROM (SELECT 1 FROM events"
+                " WHERE status IN ('pending', 'running') LIMIT 1) AS open")
     return "SELECT EXISTS (SELECT 1 FROM procrastinate_jobs WHERE status IN ('todo', 'doing'))::int"
 
 
