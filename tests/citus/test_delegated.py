@@ -96,8 +96,8 @@ def test_on_the_buckets_node_a_warm_take_plans_nothing_per_user_and_a_finish_not
     """Inside the functions only PICK and STALE are planned on each call; the
     claim, the lease taken, the fence and the rest are fast-path statements
     that Citus plans once per session (store/delegated.py's docstring). A
-    statement with a CTE over two tables, or a volatile function, would be
-    planned on every call, once per user taken in the take's claim."""
+    statement with a CTE over two tables would be planned on every call, in
+    the take's claim once per user taken."""
     bucket = citus.bucket("u0")
     users = [u for u in (f"u{n}" for n in range(3000)) if citus.bucket(u) == bucket][:4]
     with psycopg.connect(database_url, autocommit=True) as conn:

@@ -26,7 +26,9 @@ are written as single-table statements, ordered so that each invariant it
 states still holds under READ COMMITTED: the user's lease row is locked
 first (the finish) or by PICK (the take), so no other transaction changes
 that user's lease or open events until this one ends. Only PICK and STALE,
-which read wakes beside leases, are planned on each call.
+which read wakes beside leases, are planned on each call; the wakes'
+inserts, whose ids are their sequence's, are planned once but have their
+shard statement built on each (drawing the id first measured no cheaper).
 
 The rules are not spelled twice: the fence is lease.fenced and
 lease.claimed_by; the claim is store/inbox.py's open_to_claim, CLAIM_RANKS,
@@ -64,9 +66,13 @@ _PARAM = re.compile(r"%\((\w+)\)s")
 def _bound(statement: str, **arguments: str) -> str:
     """`statement`, routed to one bucket if it does not name one itself, with
     each `%(x)s` bound to `arguments[x]` (default: the function's argument
-    `p_x`)."""
+    `p_x`); given `now`, the clock NOW (the caller's time, else the server's)
+    is that value itself, so that no call of `clock_timestamp()` is left in
+    the statement (a volatile function: Citus would not cache its plan)."""
     if "%(bucket)s" not in statement:
         statement = citus.route(statement)
+    if "now" in arguments:
+        statement = statement.replace(NOW, arguments["now"])
     return _PARAM.sub(lambda m: arguments.get(m[1], f"p_{m[1]}"), statement).strip()
 
 
