@@ -366,7 +366,7 @@ class PerBucket:
 
     def held_by(self, conn, holder, now):
         """On the nodes that answer."""
-        return bucketed.held_by(conn, self._nodes, holder, now)
+        return bucketed.held_by(conn, self._nodes, holder, now, self._node_pools)
 
     def finish_one(self, finish, now):
         if self._goes_direct(finish, writes_timers=False):
@@ -477,7 +477,7 @@ class PerBucket:
         """The buckets with due users, longest due first (one read across
         shards, no lock), each claimed from in a transaction of its own."""
         with db.connection(self._pool) as conn:
-            buckets = bucketed.due_delivery_buckets(conn, self._nodes, now)
+            buckets = bucketed.due_delivery_buckets(conn, self._nodes, now, self._node_pools)
         looked, batches = 0, []
         for bucket in buckets:
             with db.transaction(self._pool) as conn:
@@ -491,7 +491,8 @@ class PerBucket:
     def timer_firings(self, conn, now):
         """One bucket's timers per transaction (store/bucketed.py)."""
         return [lambda now, limit, bucket=bucket: bucketed.fire_timers(conn, bucket, now, limit)
-                for bucket in bucketed.due_timer_buckets(conn, self._nodes, now)]
+                for bucket in bucketed.due_timer_buckets(conn, self._nodes, now,
+                                                         self._node_pools)]
 
     def answer_approval(self, conn, user, request_id, answer, now):
         return bucketed.answer(conn, user, request_id, answer, now)

@@ -1,6 +1,8 @@
-"""`citus_nodes="direct"`: the run path's take and finish calls go straight to
-the worker node that holds each bucket (citus.NodePools), so the coordinator
-neither plans nor relays them; a finish that queues messages still goes
+"""`citus_nodes="direct"`: the run path's take and finish calls, and the
+reads across a node's shards (the due buckets of the take, the scheduler and
+the dispatcher, the orphan scan), go straight to the worker node that holds
+each bucket (citus.NodePools), so the coordinator neither plans nor relays
+them; a finish that queues messages still goes
 through the coordinator (the ids of its messages order them, and the
 dispatchers hear its NOTIFY there). What each backend answered last is read
 from pg_stat_activity on every node: our own connections are named by their
@@ -68,6 +70,51 @@ def test_takes_and_finishes_go_to_the_buckets_node_and_not_through_the_coordinat
     with psycopg.connect(database_url, autocommit=True) as conn:
         assert conn.execute("SELECT status, count(*) FROM events GROUP BY 1").fetchall() \
             == [("done", len(users) + 1)]
+
+
+def test_the_scheduler_dispatcher_and_orphan_scan_read_each_node_on_the_node(
+        database_url, citus_cluster, monkeypatch):
+    """Each read of due timers, due deliveries and a holder's leases is made
+    on a connection to every worker node, none on the coordinator's (seen at
+    citus.per_node's read, by the port each ran on); what they found is
+    acted on as through the coordinator."""
+    users = users_on_every_node(database_url, 1)
+    worker_ports = sorted(node.port for node in citus_cluster.workers)
+    read_at: list[tuple[int, str]] = []
+    one_connection = citus._one_connection
+
+    def seen(conn, statement, params):
+        read_at.append((conn.info.port, statement))
+        return one_connection(conn, statement, params)
+
+    monkeypatch.setattr(citus, "_one_connection", seen)
+
+    def read_on_every_node(fragment: str) -> None:
+        ports = sorted(port for port, statement in read_at if fragment in statement)
+        assert ports == worker_ports, (fragment, ports, worker_ports)
+        read_at.clear()
+
+    with Inbox.connect(database_url, pool_size=1, citus_nodes="direct") as inbox:
+        for user in users:
+            inbox.add_timer(user, "t", 1_000, {"n": 1})
+        read_at.clear()
+        assert inbox.run_scheduler(now=2_000) == len(users)
+        read_on_every_node("FROM timers")
+        runs = inbox.take_runs("w", users=10, now=2_000)
+        assert sorted(run.user for run in runs) == sorted(users)
+        assert inbox.finish_runs([inbox.outcome(run, Result(messages=["hi"])) for run in runs],
+                                 now=2_000) == [True] * len(users)
+        read_at.clear()
+        looked, batches = inbox.claim_due(10, now=2_000)
+        assert looked == len(users) and sorted(b.user for b in batches) == sorted(users)
+        read_on_every_node("FROM deliveries")
+        for user in users:
+            inbox.ingest(user, "chat", "orphan", {})
+        orphans = inbox.take_runs("w2", users=10, now=3_000)
+        read_at.clear()
+        assert sorted(inbox.hand_back_orphans("w2", now=3_000)) \
+            == sorted(run.user for run in orphans) == sorted(users)
+        read_on_every_node("l.holder = ")
 
 
 def test_a_stale_finish_sent_straight_to_the_node_is_refused(database_url):

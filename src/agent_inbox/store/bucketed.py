@@ -156,8 +156,9 @@ SELECT user_id FROM deliveries
 """
 
 
-def due_delivery_buckets(conn, nodes: citus.NodeMap, now: int | None) -> list[int]:
-    return _due(conn, nodes, DUE_DELIVERY_BUCKETS, now)
+def due_delivery_buckets(conn, nodes: citus.NodeMap, now: int | None,
+                         pools: citus.NodePools | None = None) -> list[int]:
+    return _due(conn, nodes, DUE_DELIVERY_BUCKETS, now, pools)
 
 
 def lock_due_deliveries(conn, bucket: int, limit: int, now: int | None) -> list[str]:
@@ -186,8 +187,9 @@ SELECT {timers.RIPE_COLUMNS}
 """
 
 
-def due_timer_buckets(conn, nodes: citus.NodeMap, now: int | None) -> list[int]:
-    return _due(conn, nodes, DUE_TIMER_BUCKETS, now)
+def due_timer_buckets(conn, nodes: citus.NodeMap, now: int | None,
+                      pools: citus.NodePools | None = None) -> list[int]:
+    return _due(conn, nodes, DUE_TIMER_BUCKETS, now, pools)
 
 
 def fire_timers(conn, bucket: int, now: int | None, limit: int) -> timers.Batch:
@@ -233,10 +235,11 @@ SELECT l.user_id, l.gen FROM leases l
 """
 
 
-def held_by(conn, nodes: citus.NodeMap, holder: str, now: int | None) -> list[tuple[str, int]]:
+def held_by(conn, nodes: citus.NodeMap, holder: str, now: int | None,
+            pools: citus.NodePools | None = None) -> list[tuple[str, int]]:
     """The (user, gen) of the leases `holder` holds, on every node that answers."""
     params = {"holder": holder, "now": now}
-    return [tuple(row) for row in citus.per_node(conn, nodes, HELD_BY, params)]
+    return [tuple(row) for row in citus.per_node(conn, nodes, HELD_BY, params, pools)]
 
 
 # The fence of a release or a give-back: the lease expired now if `holder`
