@@ -3,7 +3,8 @@ worker node that holds the bucket (store/delegated.py): the coordinator
 sends that node the call and nothing else, no BEGIN or COMMIT of its own and
 no statement of the function's body, for a take of several users and for a
 finish with messages, memory and a release. What the coordinator sends is
-read from Citus's own log of remote commands (`citus.log_remote_commands`)."""
+read from Citus's own log of remote commands (`citus.log_remote_commands`);
+what the node plans on each call, from Citus's planner messages (DEBUG2)."""
 
 import psycopg
 from psycopg import conninfo

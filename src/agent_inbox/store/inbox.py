@@ -130,6 +130,8 @@ def low_water(user: str, lease: str = "l", rings: str | None = wake_rings.LIVE) 
 
 
 def open_to_claim(gen: str) -> str:
+    """The event `e` is one a claim in generation `gen` (an SQL expression)
+    looks at: pending, or left running by an older generation."""
     return f"(e.status = 'pending' OR (e.status = 'running' AND e.claim_gen < {gen}))"
 
 
