@@ -7,6 +7,8 @@ replaced, and one left in a transaction or broken is not kept; a call beyond
 is within `wait`. (On a real
 cluster: tests/citus/test_direct.py and test_node_down.py.)"""
 
+import threading
+
 import psycopg
 import pytest
 
@@ -86,8 +88,6 @@ def test_a_call_beyond_size_waits_for_a_connection_given_back_and_opens_none(poo
     """size=2: with both connections in use, a third call waits for one of
     them (a connection opened for one call would cost the node a backend's
     start and its plans each time); it gets the first one given back."""
-    import threading
-
     got = {}
     with pools.connection(0) as first, pools.connection(0) as second:
         assert first.info.backend_pid != second.info.backend_pid
