@@ -160,3 +160,32 @@ def test_a_take_that_reads_past_a_wake_it_cannot_take_moves_that_wake(database_u
         wakes = conn.execute("SELECT at FROM wakes WHERE bucket = %s AND user_id = %s",
                              (bucket, held)).fetchall()
     assert wakes and all(at == until + 1 for (at,) in wakes), (wakes, until)  # none due
+
+
+def test_one_take_claims_several_users_each_run_with_its_own_counts(database_url, inbox):
+    """The take claims all the users it took in one read, plan and write: each
+    run still gets its own events, generation and counts (an event whose
+    attempts are spent dies in its own user's run, an event a crashed run left
+    running comes back as that user's unfinished one)."""
+    bucket = citus.bucket("u0")
+    crashed, poisoned, fresh = [u for u in (f"u{n}" for n in range(3000))
+                                if citus.bucket(u) == bucket][:3]
+    inbox.ingest(crashed, "chat", "1", {})
+    with psycopg.connect(database_url, autocommit=True) as conn:
+        [[user, first_gen, claimed_at, *_]] = delegated.take(conn, bucket, "x", 60, inbox.policy,
+                                                             None, 1)
+        assert user == crashed   # and "x" never finishes it
+        inbox.ingest_many([(fresh, "chat", str(n), {}) for n in range(3)])  # taken first
+        inbox.ingest(poisoned, "chat", "1", {})
+        conn.execute("UPDATE events SET attempts = %s WHERE bucket = %s AND user_id = %s",
+                     (inbox.policy.max_attempts, bucket, poisoned))
+        later = claimed_at + 61   # the crashed run's lease has expired
+        taken = delegated.take(conn, bucket, "w", 60, inbox.policy, later, 10)
+    runs = {run.user: run for run in inbox._as_runs("w", taken)}
+    assert list(runs) == [fresh, poisoned, crashed]   # in the order of their wakes
+    counts = {user: (run.died, run.unfinished, len(run.events)) for user, run in runs.items()}
+    assert counts == {crashed: (0, 1, 1), poisoned: (1, 0, 0), fresh: (0, 0, 3)}, counts
+    assert runs[crashed].gen == first_gen + 1
+    assert all(event.user == user and event.claim_gen == runs[user].gen
+               for user, run in runs.items() for event in run.events)
+    assert [e.id for e in runs[fresh].events] == sorted(e.id for e in runs[fresh].events)

@@ -35,9 +35,10 @@ says so), read wakes beside leases and are planned on each call; the wakes'
 inserts, whose ids are their sequence's, are planned once but have their
 shard statement built on each (drawing the id first measured no cheaper).
 Fewer statements are fewer of Citus's executor starts (about 0.1-0.2 ms of
-CPU each even on a cached plan): the take reads the taken users' memory in
-one statement and returns each claimed event from the claim's own UPDATE
-(RETURNING), not from a read after it.
+CPU each even on a cached plan): the take reads, plans and claims the open
+events of all the users it took in one statement each (not one per user),
+reads their memory in one, and returns the claimed events from the claim's
+own UPDATE (RETURNING), not from a read after it.
 
 The rules are not spelled twice: the fence is lease.fenced and
 lease.claimed_by; the claim is store/inbox.py's open_to_claim, CLAIM_RANKS,
@@ -83,6 +84,10 @@ def _bound(statement: str, **arguments: str) -> str:
     if "now" in arguments:
         statement = statement.replace(NOW, arguments["now"])
     return _PARAM.sub(lambda m: arguments.get(m[1], f"p_{m[1]}"), statement).strip()
+
+
+# The generation the take gave the event `e`'s user (see TAKE).
+_GEN_OF = "(v_gen_of ->> e.user_id)::bigint"
 
 
 def _planned(key: str, cast: str = "") -> str:
@@ -169,10 +174,10 @@ END
 $fn$
 """
 
-# What agent_inbox_take returns, for each run taken in the order taken (longest
-# waiting first): a row per event it claimed (the run's columns but `died`,
-# `unfinished` and `doc` NULL), in no set order, then one row with the event's
-# columns NULL and the run's counts and memory.
+# What agent_inbox_take returns: a row per event it claimed, of every run
+# taken, in no set order (the run's columns but `died`, `unfinished` and `doc`
+# NULL), then a closing row per run in the order taken (longest waiting first),
+# with the event's columns NULL and the run's counts and memory.
 TAKE_COLUMNS = ("taken_user text, taken_gen bigint, taken_at bigint, died bigint, "
                 "unfinished bigint, doc jsonb, id bigint, \"user\" text, source text, "
                 "source_id text, payload jsonb, status text, attempts int, error text, "
@@ -184,14 +189,16 @@ TAKE_SIGNATURE = "agent_inbox_take(int, text, int, int, bigint, int, int, int, i
 # bucketed.py's take. PICK and STALE are as bucketed.py spells them (STALE
 # only if a count of the wakes up to where PICK stopped shows more than PICK
 # took: a skipped wake; a wake committed since only makes it look); the
-# leases taken, the wakes read deleted and each user's claim are single-table
-# statements (see the module's docstring). The claim is store/inbox.py's,
-# in three steps: the user's open rows read (open_to_claim), their new
-# states planned over those values (CLAIM_RANKS, CLAIM_PLAN: a statement on
-# no table), and the changed rows written by id (claim_set), each re-checked
-# on its newest version against the (status, attempts) read, as the plain
-# claim re-checks. This transaction took the user's lease (locked since
-# PICK) just before, so the claim is behind the lease's fence.
+# leases taken, the wakes read deleted and the claims are single-table
+# statements (see the module's docstring). The claim is store/inbox.py's, for
+# all the users taken at once, in three steps: their open rows read
+# (open_to_claim, each user's in the generation this take gave it), their new
+# states planned over those values (CLAIM_RANKS, CLAIM_PLAN, per user as on
+# the plain path: a statement on no table), and the changed rows written by
+# id (claim_set), each re-checked on its newest version against the (status,
+# attempts) read, as the plain claim re-checks; the rows it claimed are the
+# UPDATE's own (RETURNING). This transaction took the users' leases (locked
+# since PICK) just before, so the claim is behind their fences.
 TAKE = f"""
 CREATE OR REPLACE FUNCTION agent_inbox_take(
     p_bucket int, p_holder text, p_ttl int, p_users int, p_now bigint,
@@ -212,16 +219,17 @@ DECLARE
     v_gens bigint[] := '{{}}';
     v_at bigint;
     v_id bigint;
-    v_user text;
-    v_gen bigint;
+    v_gen_of jsonb := '{{}}';
+    v_users text[];
     v_ids bigint[];
     v_statuses text[];
     v_attempts int[];
     v_availables bigint[];
     v_p_ids bigint[];
     v_plan jsonb;
-    v_died bigint;
-    v_unfinished bigint;
+    v_died bigint[];
+    v_unfinished bigint[];
+    i int;
     v_doc_users text[];
     v_docs jsonb[];
 BEGIN
@@ -258,6 +266,7 @@ BEGIN
           RETURNING l.user_id, l.gen, l.until LOOP
         v_taken_users := v_taken_users || r.user_id;
         v_gens := v_gens || r.gen;
+        v_gen_of := v_gen_of || jsonb_build_object(r.user_id, r.gen);
         {_bound(bucketed.WAKE, user="r.user_id", at="r.until + 1")};
     END LOOP;
     DELETE FROM wakes w
@@ -269,55 +278,58 @@ BEGIN
     SELECT coalesce(array_agg(m.user_id), '{{}}'), coalesce(array_agg(m.doc), '{{}}')
       INTO v_doc_users, v_docs
       FROM memory m WHERE m.bucket = p_bucket AND m.user_id = ANY(v_order);
-    FOR i IN 1 .. cardinality(v_order) LOOP
-        v_user := v_order[i];
-        v_gen := v_gens[array_position(v_taken_users, v_user)];
-        SELECT coalesce(array_agg(e.id ORDER BY e.id), '{{}}'), array_agg(e.status ORDER BY e.id),
-               array_agg(e.attempts ORDER BY e.id), array_agg(e.available_at ORDER BY e.id)
-          INTO v_ids, v_statuses, v_attempts, v_availables
-          FROM events e
-         WHERE e.bucket = p_bucket AND e.user_id = v_user AND {open_to_claim("v_gen")};
-        SELECT array_agg(p.id), jsonb_object_agg(p.id, jsonb_build_object(
-                   'status', p.status, 'old_status', p.old_status,
-                   'old_attempts', p.old_attempts, 'jitter', p.jitter))
-          INTO v_p_ids, v_plan
-          FROM (WITH run AS (SELECT v_gen AS gen, v_now AS now), open AS (
-                    SELECT NULL::tid AS version, e.user_id, e.id, e.status, e.attempts,
-                           run.gen, run.now, {CLAIM_RANKS}
-                      FROM run, unnest(array_fill(v_user, ARRAY[cardinality(v_ids)]), v_ids,
-                                       v_statuses, v_attempts, v_availables)
-                                AS e(user_id, id, status, attempts, available_at)
-                ), {CLAIM_PLAN}
-                SELECT * FROM plan WHERE plan.status <> 'pending') p;
-        taken_user := v_user;
-        taken_gen := v_gen;
-        taken_at := v_now;
-        died := NULL;
-        unfinished := NULL;
-        doc := NULL;
-        v_died := 0;
-        v_unfinished := 0;
-        FOR r IN UPDATE events e
-                    SET {claim_set(_planned("status"), "v_gen", "v_now",
-                                   _planned("jitter", "::float8"))}
-                  WHERE e.bucket = p_bucket AND e.user_id = v_user AND e.id = ANY(v_p_ids)
-                    AND e.status = {_planned("old_status")}
-                    AND e.attempts = {_planned("old_attempts", "::int")}
-              RETURNING {EVENT_COLUMNS}, {_planned("old_status")} AS old_status LOOP
-            IF r.status = 'dead' THEN
-                v_died := v_died + 1;
-            ELSIF r.status = 'running' THEN
-                IF r.old_status = 'running' THEN
-                    v_unfinished := v_unfinished + 1;
-                END IF;
-                {_EVENT_OUT};
-                RETURN NEXT;
+    -- the taken users' claims, all in one read, one plan and one write
+    SELECT coalesce(array_agg(e.user_id), '{{}}'), array_agg(e.id), array_agg(e.status),
+           array_agg(e.attempts), array_agg(e.available_at)
+      INTO v_users, v_ids, v_statuses, v_attempts, v_availables
+      FROM events e
+     WHERE e.bucket = p_bucket AND e.user_id = ANY(v_taken_users)
+       AND {open_to_claim(_GEN_OF)};
+    SELECT coalesce(array_agg(p.id), '{{}}'), jsonb_object_agg(p.id, jsonb_build_object(
+               'status', p.status, 'old_status', p.old_status,
+               'old_attempts', p.old_attempts, 'jitter', p.jitter, 'gen', p.gen))
+      INTO v_p_ids, v_plan
+      FROM (WITH run AS (SELECT v_now AS now), open AS (
+                SELECT NULL::tid AS version, e.user_id, e.id, e.status, e.attempts,
+                       {_GEN_OF} AS gen, run.now, {CLAIM_RANKS}
+                  FROM run, unnest(v_users, v_ids, v_statuses, v_attempts, v_availables)
+                            AS e(user_id, id, status, attempts, available_at)
+            ), {CLAIM_PLAN}
+            SELECT * FROM plan WHERE plan.status <> 'pending') p;
+    v_died := array_fill(0, ARRAY[cardinality(v_order)]);
+    v_unfinished := v_died;
+    taken_at := v_now;
+    died := NULL;
+    unfinished := NULL;
+    doc := NULL;
+    FOR r IN UPDATE events e
+                SET {claim_set(_planned("status"), _planned("gen", "::bigint"), "v_now",
+                               _planned("jitter", "::float8"))}
+              WHERE e.bucket = p_bucket AND e.user_id = ANY(v_taken_users)
+                AND e.id = ANY(v_p_ids)
+                AND e.status = {_planned("old_status")}
+                AND e.attempts = {_planned("old_attempts", "::int")}
+          RETURNING {EVENT_COLUMNS}, {_planned("old_status")} AS old_status LOOP
+        i := array_position(v_order, r."user");
+        IF r.status = 'dead' THEN
+            v_died[i] := v_died[i] + 1;
+        ELSIF r.status = 'running' THEN
+            IF r.old_status = 'running' THEN
+                v_unfinished[i] := v_unfinished[i] + 1;
             END IF;
-        END LOOP;
-        {_NO_EVENT_OUT};
-        died := v_died;
-        unfinished := v_unfinished;
-        doc := v_docs[array_position(v_doc_users, v_user)];
+            taken_user := r."user";
+            taken_gen := r.claim_gen;
+            {_EVENT_OUT};
+            RETURN NEXT;
+        END IF;
+    END LOOP;
+    {_NO_EVENT_OUT};
+    FOR i IN 1 .. cardinality(v_order) LOOP  -- each run's closing row, in the order taken
+        taken_user := v_order[i];
+        taken_gen := v_gens[array_position(v_taken_users, v_order[i])];
+        died := v_died[i];
+        unfinished := v_unfinished[i];
+        doc := v_docs[array_position(v_doc_users, v_order[i])];
         RETURN NEXT;
     END LOOP;
 END
@@ -370,13 +382,16 @@ def take(conn, bucket: int, holder: str, ttl: int, policy: ClaimPolicy, now: int
                                     p["backoff_base"], p["backoff_cap"],
                                     p["max_batch"])).fetchall()
     runs: dict[str, list] = {}
+    order: list[str] = []
     for user, gen, claimed_at, died, unfinished, doc, *event in rows:
         run = runs.setdefault(user, [user, gen, claimed_at, 0, 0, None, []])
         if event[0] is None:  # the run's closing row
             run[3:6] = died, unfinished, doc
+            order.append(user)
         else:
             run[6].append(Event(*event))
-    return [(*run[:6], sorted(run[6], key=lambda event: event.id)) for run in runs.values()]
+    return [(*runs[user][:6], sorted(runs[user][6], key=lambda event: event.id))
+            for user in order]
 
 
 FINISH_CALL = ("SELECT agent_inbox_finish(%s, %s, %s, %s, %s::bigint[], %s, %s, %s, %s::jsonb,"
