@@ -409,11 +409,14 @@ class PerBucket:
                     flags.append(None if len(failures) > failed else accepted)
                     continue
                 conn = conns.get()  # another if a hung node's statement was cut
-                with citus.node_may_fail(conn, failures, self._nodes, [bucket]), \
-                        (conn.transaction() if writes_timers[i] else contextlib.nullcontext()):
-                    accepted = delegated.finish(conn, finish, now, release=release)
-                    if accepted and writes_timers[i]:
-                        write_timers(conn, i)
+                try:
+                    with citus.node_may_fail(conn, failures, self._nodes, [bucket]), \
+                            (conn.transaction() if writes_timers[i] else contextlib.nullcontext()):
+                        accepted = delegated.finish(conn, finish, now, release=release)
+                        if accepted and writes_timers[i]:
+                            write_timers(conn, i)
+                except delegated.RefusedInTransaction:  # its transaction rolled back
+                    accepted = False
                 flags.append(None if len(failures) > failed else accepted)  # committed, or not
         if None in flags:
             why = citus.first_line(failures[0]) if failures else HUNG

@@ -6,11 +6,13 @@ finish with messages, memory and a release. What the coordinator sends is
 read from Citus's own log of remote commands (`citus.log_remote_commands`);
 what the node plans on each call, from Citus's planner messages (DEBUG2)."""
 
+from dataclasses import replace
+
 import psycopg
 from psycopg import conninfo
 import pytest
 
-from agent_inbox import Inbox, Result, citus, errors, revision
+from agent_inbox import Inbox, Result, TimerRequest, citus, errors, revision
 from agent_inbox.store import delegated
 
 
@@ -189,3 +191,49 @@ def test_one_take_claims_several_users_each_run_with_its_own_counts(database_url
     assert all(event.user == user and event.claim_gen == runs[user].gen
                for user, run in runs.items() for event in run.events)
     assert [e.id for e in runs[fresh].events] == sorted(e.id for e in runs[fresh].events)
+
+
+def test_a_finish_naming_an_event_its_run_does_not_hold_is_refused_on_every_path(
+        database_url, inbox):
+    """agent_inbox_finish closes the run's events in the statement that counts
+    them: one naming an event the run does not hold besides its own is refused
+    by an error that undoes the call (NOT_ALL_HELD), so nothing is written, on
+    the node, through the coordinator with messages (a transaction of the
+    finish's own) and in a caller's transaction (RefusedInTransaction); one
+    naming none it holds is refused without an error."""
+    bucket = citus.bucket("u0")
+    user = "u0"
+    inbox.ingest_many([(user, "chat", str(n), {}) for n in range(2)])
+    with psycopg.connect(database_url, autocommit=True) as conn:
+        nodes = citus.NodeMap()
+        nodes.groups(conn)
+        host, port = nodes.address(bucket)
+        [[_, gen, _, _, _, _, events]] = delegated.take(conn, bucket, "w", 60, inbox.policy,
+                                                         None, 1)
+    inbox.ingest(user, "chat", "later", {})   # pending: not the run's
+    other = next(e.id for e in inbox.events(user) if e.source_id == "later")
+    own = [e.id for e in events]
+    f = inbox.outcome(inbox._as_runs("w", [(user, gen, 0, 0, 0, None, events)])[0],
+                      Result(messages=["hi"], memory={"n": 1})).finish
+    mixed, foreign = replace(f, ids=[*own, other]), replace(f, ids=[other])
+    node_url = conninfo.make_conninfo(database_url, host=host, port=port)
+    with psycopg.connect(node_url, autocommit=True) as node:
+        assert delegated.finish(node, replace(mixed, messages=[]), None, release=True) is False
+    with psycopg.connect(database_url, autocommit=True) as conn:
+        assert delegated.finish(conn, mixed, None, release=True) is False
+        assert delegated.finish(conn, foreign, None, release=True) is False
+        with pytest.raises(delegated.RefusedInTransaction):
+            with conn.transaction():
+                delegated.finish(conn, mixed, None, release=True)
+        assert conn.info.transaction_status == psycopg.pq.TransactionStatus.IDLE
+    # the run path's finish with timers: in a transaction with them (run_path.py)
+    run = inbox._as_runs("w", [(user, gen, 0, 0, 0, None,
+                                [*events, *(e for e in inbox.events(user) if e.id == other)])])[0]
+    timed = inbox.outcome(run, Result(timers=[TimerRequest("t", due=60)]))
+    assert inbox.finish_runs([timed]) == [False]
+    assert {e.id: e.status for e in inbox.events(user)} == {
+        **{i: "running" for i in own}, other: "pending"}
+    assert inbox.outbox(user) == [] and inbox.memory(user) is None and inbox.timers(user) == []
+    with psycopg.connect(database_url, autocommit=True) as conn:   # and the run still finishes
+        assert delegated.finish(conn, f, None, release=True) is True
+    assert [m.body for m in inbox.outbox(user)] == ["hi"] and inbox.memory(user) == {"n": 1}

@@ -99,6 +99,14 @@ def _planned(key: str, cast: str = "") -> str:
 
 _WAKE_NOW = _bound(bucketed.WAKE, at="v_now")
 
+NOT_ALL_HELD = "AI001"
+"""The SQLSTATE of agent_inbox_finish refusing a run that holds some of the
+events it names but not all: it closes them in the statement that finds out
+how many it held (no read of them before it), so a refusal after closing some
+is an error, which undoes the call's transaction; `finish` answers False. A
+run that holds none of them (a finish sent again after it committed) is
+refused with nothing written and no error."""
+
 # The take's output columns of one claimed event set from the UPDATE's row
 # `r` (EVENT_COLUMNS' names), or all NULL (a run's closing row).
 _EVENT_NAMES = [column.split()[-1].strip('"') for column in EVENT_COLUMNS.split(",")]
@@ -128,16 +136,11 @@ DECLARE
     v_lease record;
     v_now bigint;
     v_ok boolean;
+    v_closed bigint;
 BEGIN
     {_bound(lease.LOCK).replace(" FROM", " INTO v_lease FROM", 1)};
     v_now := {_bound(NOW)};  -- read with the lease locked, never before a wait for it
     v_ok := coalesce({lease.fenced("p_holder", "p_gen", "v_now", lease="v_lease")}, false);
-    IF v_ok THEN
-        SELECT count(*) = cardinality(p_ids) INTO v_ok
-          FROM events e
-         WHERE e.bucket = p_bucket AND e.user_id = p_user AND e.id = ANY(p_ids)
-           AND {lease.claimed_by("p_gen")};
-    END IF;
     IF NOT v_ok THEN
         RETURN false;
     END IF;
@@ -145,6 +148,14 @@ BEGIN
        SET status = CASE WHEN p_error IS NULL THEN 'done' ELSE 'pending' END, error = p_error
      WHERE e.bucket = p_bucket AND e.user_id = p_user AND e.id = ANY(p_ids)
        AND {lease.claimed_by("p_gen")};
+    GET DIAGNOSTICS v_closed = ROW_COUNT;
+    IF v_closed <> cardinality(p_ids) THEN  -- not every event is the run's: refused
+        IF v_closed > 0 THEN  -- undone with this call's statement (see NOT_ALL_HELD)
+            RAISE EXCEPTION USING ERRCODE = '{NOT_ALL_HELD}',
+                MESSAGE = 'agent_inbox: a finish named events its run does not hold';
+        END IF;
+        RETURN false;
+    END IF;
     IF p_release THEN
         UPDATE leases l SET until = v_now - 1 WHERE l.bucket = p_bucket AND l.user_id = p_user;
         DELETE FROM wakes w WHERE w.bucket = p_bucket AND w.user_id = p_user;
@@ -398,22 +409,37 @@ FINISH_CALL = ("SELECT agent_inbox_finish(%s, %s, %s, %s, %s::bigint[], %s, %s, 
                " %s, %s, %s)")
 
 
+class RefusedInTransaction(Exception):
+    """agent_inbox_finish refused a run with an error (NOT_ALL_HELD) inside the
+    caller's transaction, which the error aborted: the caller rolls it back
+    and takes the finish as refused (nothing of it was written)."""
+
+
 def finish(conn, f: Finish, now: int | None, *, release: bool) -> bool:
     """A run's fenced finish: one call on the run's node, and, if it queues
     messages, them and the NOTIFY from the coordinator in the same
     transaction (the caller's, or one of its own). False (nothing written) if
-    the fence refuses."""
+    the fence refuses; inside the caller's transaction a refusal that undid
+    the call raises RefusedInTransaction instead."""
     queued = f.error is None and bool(f.messages)
     in_caller = conn.info.transaction_status != psycopg.pq.TransactionStatus.IDLE
-    with contextlib.nullcontext() if in_caller or not queued else conn.transaction():
-        [ok] = conn.execute(FINISH_CALL, (
-            citus.bucket(f.user), f.user, f.holder, f.gen, list(f.ids), f.error,
-            f.forget_steps, f.memory is not None,
-            f.memory[0] if f.memory is not None else None, queued, release, now)).fetchone()
-        if ok and queued:
-            params = {"bucket": citus.bucket(f.user), "user": f.user, "now": now,
-                      "traceparent": f.traceparent}
-            for body, urgent in f.messages:
-                conn.execute(bucketed.QUEUE, {**params, "body": body, "urgent": urgent})
-            conn.execute(f"SELECT pg_notify('{notify.OUTBOX}', '')")
+    try:
+        with contextlib.nullcontext() if in_caller or not queued else conn.transaction():
+            [ok] = conn.execute(FINISH_CALL, (
+                citus.bucket(f.user), f.user, f.holder, f.gen, list(f.ids), f.error,
+                f.forget_steps, f.memory is not None,
+                f.memory[0] if f.memory is not None else None, queued, release,
+                now)).fetchone()
+            if ok and queued:
+                params = {"bucket": citus.bucket(f.user), "user": f.user, "now": now,
+                          "traceparent": f.traceparent}
+                for body, urgent in f.messages:
+                    conn.execute(bucketed.QUEUE, {**params, "body": body, "urgent": urgent})
+                conn.execute(f"SELECT pg_notify('{notify.OUTBOX}', '')")
+    except psycopg.Error as exc:
+        if exc.sqlstate != NOT_ALL_HELD:
+            raise
+        if in_caller:
+            raise RefusedInTransaction(citus.first_line(exc)) from None
+        return False
     return ok
