@@ -11,17 +11,28 @@ coordinator, or a worker node called directly (run_path.py's direct mode),
 sends the call to the node holding `bucket`, and the function's statements
 run there against its local shards.
 
-**Why most statements are single-table ones.** Inside the function Citus
-plans a statement once per session only if it is a *fast-path* query (one
-distributed table, filtered by `bucket = <a parameter>`, no CTE, no
-subquery), and runs it on a cached plan of the local shard only if it also
-calls no volatile function (`clock_timestamp()`, `random()`, a sequence's
-default); any other statement's shard query is built and planned again on
-each execution. A statement with CTEs over several tables (the plain path's
-shape) is planned three times per execution (PostgreSQL's planner inside
-Citus's, Citus's router planner, then the deparsed shard query): the take's
-claim as one such statement took 1.4 ms of planning and 3.4 ms of execution
-per run in W7, where a single-table statement took 0.1 ms.
+**Why most statements are single-table ones.** Citus plans a *fast-path*
+query (one distributed table, filtered by `bucket = <a parameter>`, no CTE,
+no subquery) in a fraction of the time of any other: a statement with CTEs
+over several tables (the plain path's shape) is planned three times per
+execution (PostgreSQL's planner inside Citus's, Citus's router planner, then
+the deparsed shard query): the take's claim as one such statement took 1.4
+ms of planning and 3.4 ms of execution per run in W7, where a single-table
+statement took 0.1 ms. A fast-path statement still costs Citus's executor a
+deparse, parse and plan of its shard query each time (about 0.1-0.15 ms of
+CPU), so fewer statements are cheaper ones.
+
+**Why every call plans anew** (SETTINGS: `plan_cache_mode =
+force_custom_plan` on both functions). Under a generic plan, which
+PostgreSQL picks for a function's statement after five calls, Citus 13.2.2
+builds the local shard plan of a fast-path statement on every execution and
+appends it to the statement's cached plan: its lookup (`GetCachedLocalPlan`)
+reads the generic plan's own task list, which is empty when the shard is
+chosen at execution (deferred pruning), so it never finds what it kept. A
+worker node's session then grew by about 0.7 MB a run, for as long as the
+session lived (1.2 GB after 1,600 runs; `tests/citus/test_delegated.py`
+watches `pg_backend_memory_contexts`). A custom plan is planned and freed
+per call: the same CPU (the cached plan was never used), no growth.
 
 So the clock is read once into `v_now` (the finish reads it after locking
 the lease, never before a wait for it), the claim's jitter is drawn in a
@@ -30,15 +41,13 @@ single-table statements, ordered so that each invariant it states still
 holds under READ COMMITTED: the user's lease row is locked first (the
 finish) or by PICK (the take), so no other transaction changes that user's
 lease or open events until this one ends. Only PICK, and STALE when PICK
-read past a wake it did not take (a cached count of the wakes PICK read
-says so), read wakes beside leases and are planned on each call; the wakes'
-inserts, whose ids are their sequence's, are planned once but have their
-shard statement built on each (drawing the id first measured no cheaper).
-Fewer statements are fewer of Citus's executor starts (about 0.1-0.2 ms of
-CPU each even on a cached plan): the take reads, plans and claims the open
-events of all the users it took in one statement each (not one per user),
-reads their memory in one, and returns the claimed events from the claim's
-own UPDATE (RETURNING), not from a read after it.
+read past a wake it did not take (a count of the wakes PICK read says so),
+read wakes beside leases and go through Citus's full router planner. The
+take reads, plans and claims the open events of all the users it took in
+one statement each (not one per user), reads their memory in one, and
+returns the claimed events from the claim's own UPDATE (RETURNING), not
+from a read after it; the finish closes the run's events and counts them in
+one statement (NOT_ALL_HELD).
 
 The rules are not spelled twice: the fence is lease.fenced and
 lease.claimed_by; the claim is store/inbox.py's open_to_claim, CLAIM_RANKS,
@@ -116,6 +125,10 @@ _EVENT_OUT = ";\n                ".join(
 _NO_EVENT_OUT = ";\n        ".join(
     f'"{name}" := NULL' if name == "user" else f"{name} := NULL" for name in _EVENT_NAMES)
 
+SETTINGS = ["plan_cache_mode=force_custom_plan"]
+"""The functions' own settings (pg_proc.proconfig), set around each call:
+see "Why every call plans anew" above."""
+
 FINISH_SIGNATURE = ("agent_inbox_finish(int, text, text, bigint, bigint[], text, boolean, "
                     "boolean, jsonb, boolean, boolean, bigint)")
 
@@ -130,7 +143,8 @@ CREATE OR REPLACE FUNCTION agent_inbox_finish(
     p_bucket int, p_user text, p_holder text, p_gen bigint, p_ids bigint[], p_error text,
     p_forget boolean, p_set_memory boolean, p_memory jsonb, p_queued boolean,
     p_release boolean, p_now bigint)
-RETURNS boolean LANGUAGE plpgsql AS $fn$
+RETURNS boolean LANGUAGE plpgsql
+SET plan_cache_mode = force_custom_plan AS $fn$
 #variable_conflict use_column
 DECLARE
     v_lease record;
@@ -214,7 +228,8 @@ TAKE = f"""
 CREATE OR REPLACE FUNCTION agent_inbox_take(
     p_bucket int, p_holder text, p_ttl int, p_users int, p_now bigint,
     p_max_attempts int, p_backoff_base int, p_backoff_cap int, p_max_batch int)
-RETURNS TABLE ({TAKE_COLUMNS}) LANGUAGE plpgsql AS $fn$
+RETURNS TABLE ({TAKE_COLUMNS}) LANGUAGE plpgsql
+SET plan_cache_mode = force_custom_plan AS $fn$
 #variable_conflict use_column
 DECLARE
     r record;
@@ -363,9 +378,9 @@ def install(conn) -> bool:
     changed = False
     for definition, signature in FUNCTIONS:
         body = definition.split("$fn$")[1]
-        found = conn.execute("SELECT prosrc FROM pg_proc WHERE oid = to_regprocedure(%s)",
-                             (signature,)).fetchone()
-        if found is not None and found[0] == body:
+        found = conn.execute("SELECT prosrc, proconfig FROM pg_proc"
+                             " WHERE oid = to_regprocedure(%s)", (signature,)).fetchone()
+        if found is not None and found[0] == body and found[1] == SETTINGS:
             continue
         conn.execute(definition)
         conn.execute("SELECT create_distributed_function(%s, 'p_bucket', "
