@@ -156,14 +156,19 @@ def test_a_take_that_reads_past_a_wake_it_cannot_take_moves_that_wake(database_u
     with psycopg.connect(database_url, autocommit=True) as conn:
         [[user, gen, *_]] = delegated.take(conn, bucket, "other", 60, inbox.policy, None, 1)
         assert user == held
-        inbox.ingest(held, "chat", "2", {})   # a wake now, while "other" holds the lease
-        inbox.ingest(free, "chat", "1", {})   # a wake behind it
         until = conn.execute("SELECT until FROM leases WHERE bucket = %s AND user_id = %s",
                              (bucket, held)).fetchone()[0]
+        held_wakes = ("SELECT at FROM wakes WHERE bucket = %s AND user_id = %s", (bucket, held))
+        inbox.ingest(held, "chat", "2", {})   # a wake now, while "other" holds the lease
+        # a take that takes nobody still moves the wake it read past
+        assert delegated.take(conn, bucket, "w", 60, inbox.policy, None, 10) == []
+        wakes = conn.execute(*held_wakes).fetchall()
+        assert wakes and all(at == until + 1 for (at,) in wakes), (wakes, until)  # none due
+        inbox.ingest(held, "chat", "3", {})   # a wake now again
+        inbox.ingest(free, "chat", "1", {})   # a wake behind it
         taken = delegated.take(conn, bucket, "w", 60, inbox.policy, None, 10)
         assert [user for user, *_ in taken] == [free]
-        wakes = conn.execute("SELECT at FROM wakes WHERE bucket = %s AND user_id = %s",
-                             (bucket, held)).fetchall()
+        wakes = conn.execute(*held_wakes).fetchall()
     assert wakes and all(at == until + 1 for (at,) in wakes), (wakes, until)  # none due
 
 

@@ -255,7 +255,7 @@ DECLARE
     v_plan jsonb;
     v_died bigint[];
     v_unfinished bigint[];
-    i int;
+    v_pos int;
     v_doc_users text[];
     v_docs jsonb[];
 BEGIN
@@ -273,8 +273,8 @@ BEGIN
         v_at := greatest(v_now, {DB_CLOCK});
         v_id := 9223372036854775807;
     END IF;
-    -- STALE only if PICK read past a wake it did not take (a cached plan: PICK
-    -- read these wakes just before; one committed since only makes STALE look)
+    -- STALE only if PICK read past a wake it did not take (a fast-path count:
+    -- PICK read these wakes just before; one committed since only makes STALE look)
     SELECT count(*) INTO v_passed FROM wakes w
      WHERE w.bucket = p_bucket AND (w.at, w.id) <= (v_at, v_id);
     IF v_passed > v_picked THEN
@@ -287,20 +287,27 @@ BEGIN
             END IF;
         END LOOP;
     END IF;
-    FOR r IN UPDATE leases l SET holder = p_holder, gen = l.gen + 1, until = v_now + p_ttl
-              WHERE l.bucket = p_bucket AND l.user_id = ANY(v_order)
-          RETURNING l.user_id, l.gen, l.until LOOP
-        v_taken_users := v_taken_users || r.user_id;
-        v_gens := v_gens || r.gen;
-        v_gen_of := v_gen_of || jsonb_build_object(r.user_id, r.gen);
-        {_bound(bucketed.WAKE, user="r.user_id", at="r.until + 1")};
-    END LOOP;
-    DELETE FROM wakes w
-     WHERE w.bucket = p_bucket AND w.user_id = ANY(v_read_users) AND w.id = ANY(v_read_ids);
+    IF cardinality(v_order) > 0 THEN  -- (each statement skipped has nothing to do)
+        FOR r IN UPDATE leases l SET holder = p_holder, gen = l.gen + 1, until = v_now + p_ttl
+                  WHERE l.bucket = p_bucket AND l.user_id = ANY(v_order)
+              RETURNING l.user_id, l.gen, l.until LOOP
+            v_taken_users := v_taken_users || r.user_id;
+            v_gens := v_gens || r.gen;
+            v_gen_of := v_gen_of || jsonb_build_object(r.user_id, r.gen);
+            {_bound(bucketed.WAKE, user="r.user_id", at="r.until + 1")};
+        END LOOP;
+    END IF;
+    IF cardinality(v_read_ids) > 0 THEN
+        DELETE FROM wakes w
+         WHERE w.bucket = p_bucket AND w.user_id = ANY(v_read_users) AND w.id = ANY(v_read_ids);
+    END IF;
     FOR r IN SELECT DISTINCT s.u, s.a FROM unnest(v_stale_users, v_stale_ats) AS s(u, a)
               ORDER BY s.u, s.a LOOP
         {_bound(bucketed.WAKE, user="r.u", at="r.a")};
     END LOOP;
+    IF cardinality(v_order) = 0 THEN
+        RETURN;
+    END IF;
     SELECT coalesce(array_agg(m.user_id), '{{}}'), coalesce(array_agg(m.doc), '{{}}')
       INTO v_doc_users, v_docs
       FROM memory m WHERE m.bucket = p_bucket AND m.user_id = ANY(v_order);
@@ -336,12 +343,12 @@ BEGIN
                 AND e.status = {_planned("old_status")}
                 AND e.attempts = {_planned("old_attempts", "::int")}
           RETURNING {EVENT_COLUMNS}, {_planned("old_status")} AS old_status LOOP
-        i := array_position(v_order, r."user");
+        v_pos := array_position(v_order, r."user");
         IF r.status = 'dead' THEN
-            v_died[i] := v_died[i] + 1;
+            v_died[v_pos] := v_died[v_pos] + 1;
         ELSIF r.status = 'running' THEN
             IF r.old_status = 'running' THEN
-                v_unfinished[i] := v_unfinished[i] + 1;
+                v_unfinished[v_pos] := v_unfinished[v_pos] + 1;
             END IF;
             taken_user := r."user";
             taken_gen := r.claim_gen;
