@@ -44,20 +44,32 @@ def _revision(conn: psycopg.Connection) -> str | None:
     return row[0] if row else None
 
 
-def _lacks_citus_functions(conn: psycopg.Connection) -> bool:
-    """On a Citus coordinator laid out by an older `migrate --citus`: whether
-    the run path's functions (store/delegated.py) are missing."""
-    return citus.is_distributed(conn) and not delegated.installed(conn)
+def _citus_functions(conn: psycopg.Connection) -> str | None:
+    """On a Citus coordinator: "missing" if the run path's functions
+    (store/delegated.py) are not all there (laid out by an older `migrate
+    --citus`), "other" if they differ from this code's; None if they are
+    this code's, or the database is not a Citus one."""
+    if not citus.is_distributed(conn):
+        return None
+    if not delegated.installed(conn):
+        return "missing"
+    return None if delegated.current(conn) else "other"
 
 
 def require_head(url: str, *, pooler: str = "none") -> None:
     """Refuse to run services against a schema older than this code needs."""
     current = current_revision(url, pooler=pooler)
     if current == HEAD:
-        if _read(url, pooler, _lacks_citus_functions):
+        functions = _read(url, pooler, _citus_functions)
+        if functions == "missing":
             raise errors.SchemaNotAtHead(
                 "this Citus database lacks the run path's functions of this agent-inbox: "
                 "run `agent-inbox migrate --citus` first")
+        if functions == "other":
+            log.warning("this Citus database's run path functions are not this agent-inbox's "
+                        "(another version's `migrate --citus`): going on with them; run "
+                        "`agent-inbox migrate --citus` to replace them (those of releases "
+                        "before plan_cache_mode grow every worker node session's memory)")
         return
     if current is None or current in KNOWN:
         raise errors.SchemaNotAtHead(

@@ -6,6 +6,7 @@ finish with messages, memory and a release. What the coordinator sends is
 read from Citus's own log of remote commands (`citus.log_remote_commands`);
 what the node plans on each call, from Citus's planner messages (DEBUG2)."""
 
+import logging
 from dataclasses import replace
 
 import psycopg
@@ -59,7 +60,7 @@ def test_a_take_and_a_finish_are_one_call_each_on_the_buckets_node(database_url,
 
 
 def test_migrate_citus_installs_the_functions_and_a_worker_refuses_a_layout_without_them(
-        fresh_citus_database):
+        fresh_citus_database, caplog):
     """On a database of its own: it drops a function the session's shares."""
     database_url = fresh_citus_database
     with psycopg.connect(database_url, autocommit=True) as conn:
@@ -69,7 +70,20 @@ def test_migrate_citus_installs_the_functions_and_a_worker_refuses_a_layout_with
     with pytest.raises(errors.SchemaNotAtHead, match="migrate --citus"):
         revision.require_head(database_url)
     assert citus.distribute(database_url)  # installed again
-    revision.require_head(database_url)
+    with caplog.at_level(logging.WARNING, logger="agent_inbox.revision"):
+        revision.require_head(database_url)
+    assert not caplog.records
+    # a take function as an older release installed it (no plan_cache_mode):
+    # the service starts and says to replace it; migrate --citus does
+    with psycopg.connect(database_url, autocommit=True) as conn:
+        conn.execute(f"ALTER FUNCTION {delegated.TAKE_SIGNATURE} RESET plan_cache_mode")
+        assert delegated.installed(conn) and not delegated.current(conn)
+    with caplog.at_level(logging.WARNING, logger="agent_inbox.revision"):
+        revision.require_head(database_url)
+    assert "migrate --citus" in caplog.text
+    assert citus.distribute(database_url)
+    with psycopg.connect(database_url, autocommit=True) as conn:
+        assert delegated.current(conn)
     with Inbox.connect(database_url) as inbox:
         inbox.ingest("u", "chat", "1", {})
         [run] = inbox.take_runs("w", users=1)

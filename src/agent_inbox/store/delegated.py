@@ -376,6 +376,21 @@ FINISH, TAKE = _PARAM.sub(lambda m: f"p_{m[1]}", FINISH), _PARAM.sub(lambda m: f
 FUNCTIONS = ((FINISH, FINISH_SIGNATURE), (TAKE, TAKE_SIGNATURE))
 
 
+def _differs(conn, definition: str, signature: str) -> bool:
+    """Whether the function `signature` is missing, or its body or settings
+    are not those of `definition` and SETTINGS."""
+    found = conn.execute("SELECT prosrc, proconfig FROM pg_proc"
+                         " WHERE oid = to_regprocedure(%s)", (signature,)).fetchone()
+    return found is None or found[0] != definition.split("$fn$")[1] or found[1] != SETTINGS
+
+
+def current(conn) -> bool:
+    """Whether every function is this code's own, body and settings (one from
+    an older `migrate --citus` runs, but perhaps as the older code did: those
+    before plan_cache_mode kept every node session's memory growing)."""
+    return not any(_differs(conn, definition, signature) for definition, signature in FUNCTIONS)
+
+
 def install(conn) -> bool:
     """Create (or replace) the functions whose body differs from this code's on
     a laid-out coordinator database, and distribute them by their bucket,
@@ -384,10 +399,7 @@ def install(conn) -> bool:
     transaction of its own."""
     changed = False
     for definition, signature in FUNCTIONS:
-        body = definition.split("$fn$")[1]
-        found = conn.execute("SELECT prosrc, proconfig FROM pg_proc"
-                             " WHERE oid = to_regprocedure(%s)", (signature,)).fetchone()
-        if found is not None and found[0] == body and found[1] == SETTINGS:
+        if not _differs(conn, definition, signature):
             continue
         conn.execute(definition)
         conn.execute("SELECT create_distributed_function(%s, 'p_bucket', "
