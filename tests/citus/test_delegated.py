@@ -29,9 +29,22 @@ def remote_commands(url: str, call) -> list[str]:
     return [text.split("issuing ", 1)[1] for text in sent if "issuing " in text]
 
 
+def users_in_bucket(bucket: int, count: int) -> list[str]:
+    """The first `count` of u0, u1, ... whose bucket is `bucket`."""
+    return [u for u in (f"u{n}" for n in range(3000)) if citus.bucket(u) == bucket][:count]
+
+
+def node_url(database_url: str, bucket: int) -> str:
+    """The test database on the worker node that holds `bucket`."""
+    with psycopg.connect(database_url, autocommit=True) as conn:
+        nodes = citus.NodeMap()
+        nodes.groups(conn)
+        host, port = nodes.address(bucket)
+    return conninfo.make_conninfo(database_url, host=host, port=port)
+
+
 def test_a_take_and_a_finish_are_one_call_each_on_the_buckets_node(database_url, inbox):
-    users = [u for u in (f"u{n}" for n in range(2000))
-             if citus.bucket(u) == citus.bucket("u0")][:3]
+    users = users_in_bucket(citus.bucket("u0"), 3)
     inbox.ingest_many([(user, "chat", "1", {}) for user in users])
     taken = []
     take = remote_commands(database_url, lambda conn: taken.extend(delegated.take(
@@ -120,13 +133,8 @@ def test_on_the_buckets_node_a_warm_take_plans_nothing_per_user_and_a_finish_not
     would be router-planned on every call, in the take's claim once per user
     taken."""
     bucket = citus.bucket("u0")
-    users = [u for u in (f"u{n}" for n in range(3000)) if citus.bucket(u) == bucket][:4]
-    with psycopg.connect(database_url, autocommit=True) as conn:
-        nodes = citus.NodeMap()
-        nodes.groups(conn)
-        host, port = nodes.address(bucket)
-    node_url = conninfo.make_conninfo(database_url, host=host, port=port)
-    with psycopg.connect(node_url, autocommit=True) as conn:
+    users = users_in_bucket(bucket, 4)
+    with psycopg.connect(node_url(database_url, bucket), autocommit=True) as conn:
         def take_and_finish(take_users: list[str], round_: int) -> tuple[int, int]:
             inbox.ingest_many([(user, "chat", f"{round_}-{n}", {}) for user in take_users
                                for n in range(2)])
@@ -165,7 +173,7 @@ def test_a_take_that_reads_past_a_wake_it_cannot_take_moves_that_wake(database_u
     could take behind it is taken. Without STALE the due wake would stay and
     every take of the bucket would read past it again."""
     bucket = citus.bucket("u0")
-    held, free = [u for u in (f"u{n}" for n in range(3000)) if citus.bucket(u) == bucket][:2]
+    held, free = users_in_bucket(bucket, 2)
     inbox.ingest(held, "chat", "1", {})
     with psycopg.connect(database_url, autocommit=True) as conn:
         [[user, gen, *_]] = delegated.take(conn, bucket, "other", 60, inbox.policy, None, 1)
@@ -192,8 +200,7 @@ def test_one_take_claims_several_users_each_run_with_its_own_counts(database_url
     attempts are spent dies in its own user's run, an event a crashed run left
     running comes back as that user's unfinished one)."""
     bucket = citus.bucket("u0")
-    crashed, poisoned, fresh = [u for u in (f"u{n}" for n in range(3000))
-                                if citus.bucket(u) == bucket][:3]
+    crashed, poisoned, fresh = users_in_bucket(bucket, 3)
     inbox.ingest(crashed, "chat", "1", {})
     with psycopg.connect(database_url, autocommit=True) as conn:
         [[user, first_gen, claimed_at, *_]] = delegated.take(conn, bucket, "x", 60, inbox.policy,
@@ -227,9 +234,6 @@ def test_a_finish_naming_an_event_its_run_does_not_hold_is_refused_on_every_path
     user = "u0"
     inbox.ingest_many([(user, "chat", str(n), {}) for n in range(2)])
     with psycopg.connect(database_url, autocommit=True) as conn:
-        nodes = citus.NodeMap()
-        nodes.groups(conn)
-        host, port = nodes.address(bucket)
         [[_, gen, _, _, _, _, events]] = delegated.take(conn, bucket, "w", 60, inbox.policy,
                                                          None, 1)
     inbox.ingest(user, "chat", "later", {})   # pending: not the run's
@@ -238,8 +242,7 @@ def test_a_finish_naming_an_event_its_run_does_not_hold_is_refused_on_every_path
     f = inbox.outcome(inbox._as_runs("w", [(user, gen, 0, 0, 0, None, events)])[0],
                       Result(messages=["hi"], memory={"n": 1})).finish
     mixed, foreign = replace(f, ids=[*own, other]), replace(f, ids=[other])
-    node_url = conninfo.make_conninfo(database_url, host=host, port=port)
-    with psycopg.connect(node_url, autocommit=True) as node:
+    with psycopg.connect(node_url(database_url, bucket), autocommit=True) as node:
         assert delegated.finish(node, replace(mixed, messages=[]), None, release=True) is False
     with psycopg.connect(database_url, autocommit=True) as conn:
         assert delegated.finish(conn, mixed, None, release=True) is False
@@ -270,15 +273,10 @@ def test_a_node_session_keeps_no_plan_per_call(database_url, inbox):
     0.7 MB a run, for as long as it lived. Here the session's cached plans
     stay the size they were after warming up."""
     bucket = citus.bucket("u0")
-    users = [u for u in (f"u{n}" for n in range(3000)) if citus.bucket(u) == bucket][:4]
-    with psycopg.connect(database_url, autocommit=True) as conn:
-        nodes = citus.NodeMap()
-        nodes.groups(conn)
-        host, port = nodes.address(bucket)
+    users = users_in_bucket(bucket, 4)
     cached = ("SELECT coalesce(sum(total_bytes), 0) FROM pg_backend_memory_contexts"
               " WHERE name = 'CachedPlan'")
-    with psycopg.connect(conninfo.make_conninfo(database_url, host=host, port=port),
-                         autocommit=True) as node:
+    with psycopg.connect(node_url(database_url, bucket), autocommit=True) as node:
         def rounds(first: int, count: int) -> None:
             for round_ in range(first, first + count):
                 inbox.ingest_many([(user, "chat", f"{round_}", {}) for user in users])
