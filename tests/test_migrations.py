@@ -9,6 +9,7 @@ import psycopg
 import pytest
 
 from agent_inbox import errors, migrate, revision
+from agent_inbox.store import keys
 
 TABLES = {"events", "leases", "timers", "outbox", "operator_actions", "deliveries", "wakes",
           "run_stats", "steps",
@@ -68,6 +69,34 @@ def test_0011_keeps_every_wake_and_its_id_both_ways(empty_database_url):
         conn.execute("INSERT INTO events (user_id, source, source_id, payload)"
                      " VALUES ('newer', 's', '1', '{}')")
         assert conn.execute("SELECT id FROM wakes WHERE user_id = 'newer'").fetchone()[0] > new_id
+
+
+def test_0012_gives_every_row_its_bucket_old_and_new(empty_database_url):
+    """Rows there before 0012 get their user's bucket; so do rows inserted
+    afterwards the way code older than 0012 inserts them (no bucket named):
+    an event, and the lease row and wake its trigger adds; down to 0011
+    again, the rows stay and the column goes."""
+    url = empty_database_url
+    migrate.upgrade(url, "0011")
+    users = [f"u{n}" for n in range(20)]
+    with psycopg.connect(url) as conn:
+        conn.execute("INSERT INTO events (user_id, source, source_id, payload)"
+                     " SELECT u, 's', '1', '{}' FROM unnest(%s::text[]) u", (users,))
+        conn.execute("INSERT INTO memory (user_id, doc, updated_by) VALUES ('u1', '{}', 'x')")
+    migrate.upgrade(url)
+    with psycopg.connect(url) as conn:
+        conn.execute("INSERT INTO events (user_id, source, source_id, payload)"
+                     " VALUES ('late', 's', '1', '{}')")
+        for table in ("events", "leases", "wakes", "memory"):
+            rows = conn.execute(f"SELECT user_id, bucket FROM {table}").fetchall()
+            assert rows and {bucket for _, bucket in rows} != {None}
+            assert all(bucket == keys.bucket(user) for user, bucket in rows), table
+        assert conn.execute("SELECT count(*) FROM events").fetchone()[0] == 21
+    migrate.downgrade(url, "0011")
+    with psycopg.connect(url) as conn:
+        assert conn.execute("SELECT count(*) FROM events").fetchone()[0] == 21
+        assert conn.execute("SELECT count(*) FROM information_schema.columns"
+                            " WHERE column_name = 'bucket'").fetchone()[0] == 0
 
 
 def test_migrations_match_schema_py(database_url):
@@ -161,7 +190,15 @@ def test_migrations_after_the_first_only_add_or_widen():
     assert any("ADD COLUMN KIND" in s for s in statements)
     checks_added = {m.group(1) for s in statements
                     for m in [re.search(r"ADD CONSTRAINT (\w+) CHECK", s)] if m}
+    # 0012's NOT NULL `bucket`: filled for the rows there are, and by a BEFORE
+    # INSERT trigger of its table for the rows older code inserts without it
+    filled = {m.group(1) for s in statements
+              for m in [re.match(r"CREATE TRIGGER FILL_BUCKET BEFORE INSERT ON (\w+) ", s)] if m}
+    assert len(filled) == 11
     for statement in statements:
+        set_filled = re.fullmatch(r"ALTER TABLE (\w+) ALTER COLUMN BUCKET SET NOT NULL", statement)
+        if set_filled and set_filled.group(1) in filled:
+            continue
         widened = re.fullmatch(r"ALTER TABLE \w+ ALTER COLUMN \w+ DROP NOT NULL", statement)
         replaced = re.fullmatch(r"ALTER TABLE \w+ DROP CONSTRAINT (\w+)", statement)
         if widened or (replaced and replaced.group(1) in checks_added):

@@ -1,9 +1,10 @@
 """The one description of agent-inbox's tables (SQLAlchemy Core).
 
 Alembic's migrations create these tables and `alembic check` proves the two agree;
-runtime SQL never goes through SQLAlchemy. Every table carries `user_id` in its
-primary key, so a run touches one user's rows only and the schema can be
-distributed by `user_id`. A trigger (see the
+runtime SQL never goes through SQLAlchemy. Every table about users carries
+`user_id` in its primary key, so a run touches one user's rows only, and the
+user's `bucket` (bucket_column), which every statement about one user names, so
+that Citus can distribute the tables by it (citus.py). A trigger (see the
 first migration) gives every user with an event a lease row and notifies
 waiting workers. Times are bigint epoch seconds: the timer occurrence key
 `<timer_id>@<scheduled_at>` must stay exact whole seconds.
@@ -25,10 +26,20 @@ DB_CLOCK = sa.text("floor(extract(epoch from clock_timestamp()))::bigint")
 
 metadata = sa.MetaData(naming_convention=NAMING_CONVENTION)
 
+
+def bucket_column() -> sa.Column:
+    """`agent_inbox_bucket(user_id)`, 0 to 63 (migration 0012; `citus.bucket`
+    in Python): Citus's distribution column. Statements about one user name it
+    with the user (`bucket = %(bucket)s AND user_id = %(user)s`), so one text
+    serves both backends; a row inserted without it gets it from the table's
+    `fill_bucket` trigger (on plain PostgreSQL)."""
+    return sa.Column("bucket", sa.Integer, nullable=False)
+
 events = sa.Table(
     "events",
     metadata,
     sa.Column("user_id", sa.Text, nullable=False),
+    bucket_column(),
     sa.Column("id", sa.BigInteger, sa.Identity(always=True), nullable=False),
     sa.Column("source", sa.Text, nullable=False),
     sa.Column("source_id", sa.Text, nullable=False),
@@ -75,6 +86,7 @@ leases = sa.Table(
     "leases",
     metadata,
     sa.Column("user_id", sa.Text, nullable=False),
+    bucket_column(),
     sa.Column("holder", sa.Text, nullable=False),
     sa.Column("gen", sa.BigInteger, nullable=False),
     sa.Column("until", sa.BigInteger, nullable=False),
@@ -101,6 +113,7 @@ wakes = sa.Table(
     "wakes",
     metadata,
     sa.Column("user_id", sa.Text, nullable=False),
+    bucket_column(),
     sa.Column("id", sa.BigInteger, nullable=False,
               server_default=sa.text("nextval('wakes_ids')")),
     sa.Column("at", sa.BigInteger, nullable=False),
@@ -140,6 +153,7 @@ steps = sa.Table(
     "steps",
     metadata,
     sa.Column("user_id", sa.Text, nullable=False),
+    bucket_column(),
     sa.Column("id", sa.BigInteger, sa.Identity(always=True), nullable=False),
     sa.Column("event_ids", sa.ARRAY(sa.BigInteger), nullable=False),
     sa.Column("position", sa.Integer, nullable=False),
@@ -158,6 +172,7 @@ timers = sa.Table(
     "timers",
     metadata,
     sa.Column("user_id", sa.Text, nullable=False),
+    bucket_column(),
     sa.Column("timer_id", sa.Text, nullable=False),
     sa.Column("due", sa.BigInteger, nullable=False),
     sa.Column("every", sa.BigInteger),
@@ -198,6 +213,7 @@ outbox = sa.Table(
     "outbox",
     metadata,
     sa.Column("user_id", sa.Text, nullable=False),
+    bucket_column(),
     sa.Column("id", sa.BigInteger, sa.Identity(always=True), nullable=False),
     sa.Column("body", sa.Text, nullable=False),
     sa.Column("created", sa.BigInteger, nullable=False),
@@ -234,6 +250,7 @@ deliveries = sa.Table(
     "deliveries",
     metadata,
     sa.Column("user_id", sa.Text, nullable=False),
+    bucket_column(),
     sa.Column("due_at", sa.BigInteger),
     sa.Column("last_sent_at", sa.BigInteger),
     sa.Column("batch", sa.BigInteger),
@@ -253,6 +270,7 @@ operator_actions = sa.Table(
     "operator_actions",
     metadata,
     sa.Column("user_id", sa.Text, nullable=False),
+    bucket_column(),
     sa.Column("id", sa.BigInteger, sa.Identity(always=True), nullable=False),
     sa.Column("at", sa.BigInteger, nullable=False, server_default=DB_CLOCK),
     sa.Column("actor", sa.Text, nullable=False),
@@ -282,6 +300,7 @@ memory = sa.Table(
     "memory",
     metadata,
     sa.Column("user_id", sa.Text, nullable=False),
+    bucket_column(),
     sa.Column("doc", JSONB, nullable=False),
     sa.Column("updated_at", sa.BigInteger, nullable=False, server_default=DB_CLOCK),
     sa.Column("updated_by", sa.Text, nullable=False),
@@ -311,6 +330,7 @@ policies = sa.Table(
     "policies",
     metadata,
     sa.Column("user_id", sa.Text, nullable=False),
+    bucket_column(),
     *_policy_columns(),
     sa.PrimaryKeyConstraint("user_id", "tool"),
 )
@@ -328,6 +348,7 @@ permit_decisions = sa.Table(
     "permit_decisions",
     metadata,
     sa.Column("user_id", sa.Text, nullable=False),
+    bucket_column(),
     sa.Column("id", sa.BigInteger, sa.Identity(always=True), nullable=False),
     sa.Column("at", sa.BigInteger, nullable=False, server_default=DB_CLOCK),
     sa.Column("tool", sa.Text, nullable=False),

@@ -107,10 +107,10 @@ LIVE_RINGS = ("SELECT ring FROM wakes_ring"
 MOVE = """
 WITH moved AS (
     DELETE FROM wakes WHERE ring = ANY(%(from)s) AND ring <> %(to)s
-    RETURNING user_id, id, at, from_id
+    RETURNING bucket, user_id, id, at, from_id
 )
-INSERT INTO wakes (user_id, id, at, from_id, ring)
-SELECT user_id, id, at, from_id, %(to)s FROM moved
+INSERT INTO wakes (bucket, user_id, id, at, from_id, ring)
+SELECT bucket, user_id, id, at, from_id, %(to)s FROM moved
 """
 
 
