@@ -8,7 +8,7 @@ import psycopg
 import pytest
 from prometheus_client import REGISTRY
 
-from agent_inbox import citus
+from agent_inbox.store import keys
 from agent_inbox.scheduler import HELD_BACKOFF, Scheduler
 from tests.test_operator_cli import run_cli, run_json
 
@@ -25,13 +25,11 @@ def write_timer(url, user, timer_id, due, *, every=None, cron=None, timezone=Non
     """A timer row as another host or older code could have written it: add_timer
     on this host refuses it."""
     with psycopg.connect(url) as conn:
-        if citus.is_distributed(conn):  # on the user's node
-            conn.cursor_factory = citus.RoutedCursor
-        conn.execute("INSERT INTO timers (user_id, timer_id, due, every, cron, timezone, payload)"
-                     " VALUES (%(user)s, %(timer_id)s, %(due)s, %(every)s, %(cron)s, %(timezone)s,"
-                     " %(payload)s::jsonb)",
-                     {"user": user, "timer_id": timer_id, "due": due, "every": every, "cron": cron,
-                      "timezone": timezone, "payload": payload})
+        conn.execute("INSERT INTO timers (bucket, user_id, timer_id, due, every, cron, timezone,"
+                     " payload) VALUES (%(bucket)s, %(user)s, %(timer_id)s, %(due)s, %(every)s,"
+                     " %(cron)s, %(timezone)s, %(payload)s::jsonb)",
+                     keys.user_key(user, timer_id=timer_id, due=due, every=every, cron=cron,
+                                   timezone=timezone, payload=payload))
 
 
 def fired_ids(inbox, user):

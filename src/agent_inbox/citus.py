@@ -15,30 +15,26 @@ refuses to distribute by a generated column).
 
 `distribute(url)` is what `agent-inbox migrate --citus` adds after the
 ordinary migrations: on a coordinator database (extension created, worker
-nodes added) it adds and fills the bucket column, rebuilds the keys, drops the
+nodes added) it rebuilds the keys with the bucket column first, drops the
+`fill_bucket` triggers, drops the
 `events_inserted` trigger (on Citus the code that inserts events creates the
 lease row and the wake itself, and the client session NOTIFYs on the
 coordinator) and distributes every table. `run_stats`, keyed by worker process,
 is distributed by `process`; `alembic_version` stays on the coordinator.
 
-Routing (`route(sql)`): the run path's single-user statements are written
-once, for plain PostgreSQL, filtering `user_id = %(user)s`. On Citus each
-statement is sent rewritten so that every user-keyed table it reads is also
-filtered by `bucket = %(bucket)s` (and its inserts and conflict targets carry
-the bucket), with `bucket` added to the parameters from `user`. The rewrite is
-a small set of textual rules over the statements' fixed spellings
-(`<alias>.user_id = ...`, `INSERT INTO t (user_id, ...`, `ON CONFLICT
-(user_id ...`); tests/citus/test_router_plans.py EXPLAINs every routed
-statement and fails on one that is not a single-task router plan, so a
-statement the rules miss fails CI rather than fanning out.
+Routing: every statement about one user names the user's bucket with the
+user (`bucket = %(bucket)s AND user_id = %(user)s`; several users: their
+buckets, `bucket = ANY(%(buckets)s)`), in one text that plain PostgreSQL runs
+too (migration 0012 gave its tables the column; store/keys.py makes the
+parameters), and every join of two user-keyed tables joins on bucket as well:
+Citus routes each to the one shard of its bucket as written.
+tests/citus/test_router_plans.py EXPLAINs every statement of the run path and
+fails on one that is not a single-task router plan.
 """
 
 import contextlib
-import functools
-import hashlib
 import logging
 import math
-import re
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -50,14 +46,12 @@ from psycopg.conninfo import make_conninfo
 from agent_inbox import db, errors
 from agent_inbox.store import notify
 from agent_inbox.store.clock import DB_CLOCK
+from agent_inbox.store import keys
+from agent_inbox.store.keys import BUCKETS, bucket, user_key  # noqa: F401  (citus.bucket: its callers' name)
 
 log = logging.getLogger("agent_inbox.citus")
 
 T = TypeVar("T")
-
-BUCKETS = 64
-"""How many buckets users are spread over. Part of the layout: changing it
-means re-bucketing every row."""
 
 USER_TABLES = ("leases", "events", "wakes", "timers", "outbox", "deliveries", "operator_actions",
                "steps", "memory", "policies", "permit_decisions")
@@ -66,12 +60,6 @@ USER_TABLES = ("leases", "events", "wakes", "timers", "outbox", "deliveries", "o
 REFERENCE_TABLES = ("default_policies",)
 """Small tables every node reads (a copy on each): read with a user's rows in
 one statement, written rarely (by operators)."""
-
-BUCKET_FUNCTION = f"""
-CREATE OR REPLACE FUNCTION agent_inbox_bucket(user_id text) RETURNS int
-LANGUAGE sql IMMUTABLE PARALLEL SAFE AS
-$$ SELECT (('x' || substr(md5(user_id), 1, 7))::bit(28)::int) % {BUCKETS} $$
-"""
 
 # The keys rebuilt with bucket first: (table, constraint, columns after bucket).
 KEYS = (
@@ -99,11 +87,6 @@ BUCKET_INDEXES = (
     "CREATE INDEX ix_deliveries_bucket_due_at ON deliveries (bucket, due_at)"
     " WHERE due_at IS NOT NULL",
 )
-
-
-def bucket(user: str) -> int:
-    """The bucket of `user`; equal to agent_inbox_bucket(user) in SQL."""
-    return int(hashlib.md5(user.encode("utf-8")).hexdigest()[:7], 16) % BUCKETS
 
 
 def by_bucket(items: list, user_of) -> list[list]:
@@ -499,7 +482,7 @@ def distribute(url: str, *, shard_count: int = 32) -> bool:
                     conn.execute("SELECT create_reference_table(%s)", (table,))
             return delegated.install(conn) or bool(added or shared)
         with conn.transaction():
-            conn.execute(BUCKET_FUNCTION)
+            conn.execute(keys.BUCKET_FUNCTION)
             conn.execute("DROP TRIGGER IF EXISTS events_inserted ON events")
             _one_wakes_table(conn)
             _add_buckets(conn, user_tables)
@@ -530,10 +513,11 @@ ONE_WAKES_TABLE = (
            id bigint GENERATED ALWAYS AS IDENTITY,
            at bigint NOT NULL,
            from_id bigint,
+           bucket int NOT NULL,
            CONSTRAINT pk_wakes PRIMARY KEY (user_id, id))""",
     "CREATE INDEX ix_wakes_at ON wakes (at, id)",
-    """INSERT INTO wakes (user_id, id, at, from_id) OVERRIDING SYSTEM VALUE
-       SELECT user_id, id, at, from_id FROM wakes_in_rings""",
+    """INSERT INTO wakes (bucket, user_id, id, at, from_id) OVERRIDING SYSTEM VALUE
+       SELECT bucket, user_id, id, at, from_id FROM wakes_in_rings""",
     """SELECT setval(pg_get_serial_sequence('wakes', 'id'),
                      coalesce((SELECT max(id) FROM wakes_in_rings), 0) + 1, false)""",
     "DROP TABLE wakes_in_rings, wakes_ring",
@@ -552,11 +536,20 @@ def _one_wakes_table(conn: psycopg.Connection) -> None:
 
 
 def _add_buckets(conn: psycopg.Connection, tables) -> None:
-    """Give `tables` their bucket column, filled, and their keys rebuilt with it first."""
+    """Give `tables` their keys rebuilt with `bucket` first, and no
+    `fill_bucket` trigger (Citus refuses triggers on a distributed table: on
+    Citus every insert names the bucket itself). Migration 0012 added the
+    column; a table a later migration made on a database laid out before it
+    (0012 leaves such a database alone) gets it here, filled."""
     for table in tables:
-        conn.execute(f"ALTER TABLE {table} ADD COLUMN bucket int")
-        conn.execute(f"UPDATE {table} SET bucket = agent_inbox_bucket(user_id)")
-        conn.execute(f"ALTER TABLE {table} ALTER COLUMN bucket SET NOT NULL")
+        has_bucket = conn.execute(
+            "SELECT EXISTS (SELECT 1 FROM pg_attribute WHERE attrelid = to_regclass(%s)"
+            " AND attname = 'bucket' AND NOT attisdropped)", (table,)).fetchone()[0]
+        if not has_bucket:
+            conn.execute(f"ALTER TABLE {table} ADD COLUMN bucket int")
+            conn.execute(f"UPDATE {table} SET bucket = agent_inbox_bucket(user_id)")
+            conn.execute(f"ALTER TABLE {table} ALTER COLUMN bucket SET NOT NULL")
+        conn.execute(f"DROP TRIGGER IF EXISTS fill_bucket ON {table}")
     for table, name, definition in KEYS:
         if table in tables:
             conn.execute(f"ALTER TABLE {table} DROP CONSTRAINT {name}")
@@ -579,98 +572,11 @@ def _is_distributed_table(conn: psycopg.Connection, table: str) -> bool:
                         " WHERE logicalrelid = to_regclass(%s))", (table,)).fetchone()[0]
 
 
-# --- routing -----------------------------------------------------------------
-
-_TABLE = re.compile(r"\b(?:FROM|JOIN|UPDATE|INTO|USING)\s+(" + "|".join(USER_TABLES)
-                    + r")(?:\s+(?:AS\s+)?(\w+))?")
-_KEYWORDS = {"where", "set", "on", "using", "values", "select", "for", "order", "group", "limit",
-             "returning", "join", "cross", "left", "inner", "offset"}
-_BARE = re.compile(r"(?<![.\w])user_id = (%\(user\)s|ANY\(%\(users\)s)")   # of the one table
-_INSERT = re.compile(r"(INSERT INTO \w+(?: AS \w+)? \()user_id,([^)]*\)\s*)"
-                     r"(VALUES \(|SELECT DISTINCT |SELECT )")
-_CONFLICT = re.compile(r"ON CONFLICT \(user_id")
-
-
-# Citus plans no statement that finds a row by ctid as a router query; the
-# plain statements' TID lookups (rows their snapshot read) are sent as lookups
-# by key instead. Each rule is (the plain spelling, the keyed one).
-_BY_KEY = (
-    ("e.ctid = p.version", "e.user_id = p.user_id AND e.id = p.id"),
-    ("e.ctid = mine.version", "e.user_id = mine.user_id AND e.id = mine.id"),
-    ("l.ctid = verdict.lease", "l.user_id = verdict.user_id"),
-    ("d.ctid = v.version", "d.user_id = v.user_id"),
-)
-
-
-@functools.lru_cache(maxsize=None)
-def route(statement: str) -> str:
-    """`statement` with every user-keyed row it reads, writes or conflicts on
-    also keyed by `%(bucket)s` (see the module's docstring)."""
-    for tid, key in _BY_KEY:
-        statement = statement.replace(tid, key)
-    aliases = {alias for _, alias in _TABLE.findall(statement)
-               if alias and alias.lower() not in _KEYWORDS}
-    if aliases:  # e.user_id = ..., l.user_id = ... of the tables' own aliases
-        aliased = re.compile(r"\b(" + "|".join(sorted(aliases)) + r")\.user_id = ")
-        statement = aliased.sub(r"\1.bucket = %(bucket)s AND \1.user_id = ", statement)
-    statement = _BARE.sub(r"bucket = %(bucket)s AND user_id = \1", statement)
-    statement = _CONFLICT.sub("ON CONFLICT (bucket, user_id", statement)
-    return _INSERT.sub(r"\1bucket, user_id,\2\3%(bucket)s::int, ", statement)
-
-
-@functools.lru_cache(maxsize=None)
-def colocate(statement: str) -> str:
-    """A statement about no one user (a read across shards), with every join of
-    two user-keyed tables on `user_id` also joined on `bucket`: Citus joins
-    distributed tables only on their distribution column."""
-    aliases = {alias for _, alias in _TABLE.findall(statement)
-               if alias and alias.lower() not in _KEYWORDS}
-    if len(aliases) < 2:
-        return statement
-    names = "|".join(sorted(aliases))
-    joined = re.compile(rf"\b({names})\.user_id = ({names})\.user_id\b")
-    return joined.sub(r"\1.bucket = \2.bucket AND \1.user_id = \2.user_id", statement)
-
-
-def bucket_of(params: dict) -> int | None:
-    """The bucket a statement's parameters are about: `bucket`, or that of
-    `user`, or that of every one of `users` (a statement about users of two
-    buckets is refused: the caller sends one per bucket); None for a statement
-    about no user (an operator view with no user named reads every shard,
-    locking nothing)."""
-    if "bucket" in params:
-        return params["bucket"]
-    if params.get("user") is not None:
-        return bucket(params["user"])
-    if "users" in params:
-        buckets = {bucket(user) for user in params["users"]}
-        if len(buckets) > 1:
-            raise errors.InvalidInput("users", params["users"],
-                                      "span several buckets: send one statement per bucket")
-        return buckets.pop() if buckets else 0
-    return None
-
-
-class RoutedCursor(psycopg.Cursor):
-    """A cursor that sends a statement about one user, or users of one bucket,
-    routed to that bucket (route, bucket_of); a statement about no one user
-    with its joins co-located (colocate); a statement written for Citus (it
-    names `%(bucket)s` itself) as it is."""
-
-    def execute(self, query, params=None, **kwargs):
-        if isinstance(query, str) and isinstance(params, dict) and "%(bucket)s" not in query:
-            routed = bucket_of(params)
-            if routed is not None:
-                query, params = route(query), {**params, "bucket": routed}
-            else:
-                query = colocate(query)
-        return super().execute(query, params, **kwargs)
-
-
 class Detector:
     """A pool's `configure` callback: its first connection asks whether the
-    database is distributed (`distributed`, None until then); on Citus every
-    connection of the pool then routes its statements (RoutedCursor)."""
+    database is distributed (`distributed`, None until then); on Citus each
+    connection of the pool then gets the coordinator's node connection timeout,
+    if one is set."""
 
     def __init__(self, *, node_connection_timeout: float | None = None):
         self.distributed: bool | None = None
@@ -682,11 +588,9 @@ class Detector:
     def __call__(self, conn: psycopg.Connection) -> None:
         if self.distributed is None:
             self.distributed = is_distributed(conn)
-        if self.distributed:
-            conn.cursor_factory = RoutedCursor
-            if self.node_connection_timeout:
-                conn.execute("SELECT set_config('citus.node_connection_timeout', %s, false)",
-                             (f"{int(self.node_connection_timeout * 1000)}ms",))
+        if self.distributed and self.node_connection_timeout:
+            conn.execute("SELECT set_config('citus.node_connection_timeout', %s, false)",
+                         (f"{int(self.node_connection_timeout * 1000)}ms",))
 
 
 # What the events_inserted trigger does on plain PostgreSQL, done on Citus by
@@ -695,10 +599,10 @@ class Detector:
 # at the arrival; then the notification, sent by the client's own session on
 # the coordinator (a NOTIFY on a worker node reaches no listener).
 EVENTS_INSERTED = ("""
-INSERT INTO leases (user_id, holder, gen, until) VALUES (%(user)s, '', 0, -1)
-ON CONFLICT (user_id) DO NOTHING
+INSERT INTO leases (bucket, user_id, holder, gen, until) VALUES (%(bucket)s, %(user)s, '', 0, -1)
+ON CONFLICT ON CONSTRAINT pk_leases DO NOTHING
 """, f"""
-INSERT INTO wakes (user_id, at) VALUES (%(user)s, {DB_CLOCK})
+INSERT INTO wakes (bucket, user_id, at) VALUES (%(bucket)s, %(user)s, {DB_CLOCK})
 """)
 
 
@@ -706,7 +610,7 @@ def events_inserted(conn: psycopg.Connection, users) -> None:
     """The trigger's work for `users` (each one routed), then the NOTIFY."""
     lease_row, wake = EVENTS_INSERTED
     for user in sorted(set(users)):
-        conn.execute(lease_row, {"user": user})
-        conn.execute(wake, {"user": user})
+        conn.execute(lease_row, user_key(user))
+        conn.execute(wake, user_key(user))
     if users:
         conn.execute("SELECT pg_notify(%s, '')", (notify.WORK,))

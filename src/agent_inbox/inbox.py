@@ -21,6 +21,7 @@ from agent_inbox.scheduling import Scheduling
 from agent_inbox.store import admin, compaction, inbox, lease, outbox, retention, steps
 from agent_inbox.store import memory as memories
 from agent_inbox.store.steps import RecordedStep
+from agent_inbox.store.keys import user_key
 
 __all__ = ["Inbox", "Run"]
 
@@ -240,7 +241,7 @@ class Inbox(Runs, Scheduling, Delivery, Permissions):
                                                             self.max_memory_bytes)
         now = validate.optional_epoch("now", now)
         with db.transaction(self._pool) as conn:
-            held = conn.execute(memories.OPERATOR_LOCK, {"user": user, "now": now}).fetchone()
+            held = conn.execute(memories.OPERATOR_LOCK, user_key(user, now=now)).fetchone()
             if held is not None and held[2] >= 0:
                 holder, gen, expires_in = held
                 raise errors.UserBusy(
@@ -313,7 +314,7 @@ class Inbox(Runs, Scheduling, Delivery, Permissions):
         now = validate.optional_epoch("now", now)
         with db.connection(self._pool) as conn:
             with db.pipelined_transaction(conn):
-                conn.execute(lease.LOCK, {"user": user})
+                conn.execute(lease.LOCK, user_key(user))
                 claimed = inbox.send_claim(conn, user, holder, gen, self.policy, now)
             return claimed.fetchall()
 

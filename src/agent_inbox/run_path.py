@@ -32,6 +32,7 @@ from agent_inbox import citus, db, errors
 from agent_inbox.records import ClaimPolicy
 from agent_inbox.store import (admin, approvals, bucketed, compaction, delegated, inbox, lease,
                                outbox, steps, timers, wake_rings)
+from agent_inbox.store.keys import user_key, users_key
 
 # Why a call left a node's users alone without asking it (citus.NodeMap.hung).
 HUNG = "their worker node timed out a moment ago (set aside for a while)"
@@ -188,7 +189,7 @@ class SetBased:
         with db.connection(self._pool) as conn:
             with db.pipelined_transaction(conn):
                 conn.execute(inbox.GENERIC_PLAN)
-                conn.execute(lease.LOCK, {"user": finish.user})
+                conn.execute(lease.LOCK, user_key(finish.user))
                 verdict = inbox.send_finish(conn, [finish], now)
             [accepted] = inbox.read_verdicts(verdict)
             return accepted
@@ -200,7 +201,7 @@ class SetBased:
                 # Timers and approvals are written only once their fence has said yes.
                 with conn.transaction():
                     conn.execute(inbox.GENERIC_PLAN)
-                    conn.execute(lease.LOCK_MANY, {"users": users})
+                    conn.execute(lease.LOCK_MANY, users_key(users))
                     accepted = inbox.finish(conn, finishes, now, release=release)
                     for i, ok in enumerate(accepted):
                         if ok and writes_timers[i]:
@@ -209,7 +210,7 @@ class SetBased:
             # Locks, fenced finishes and commit, sent as one pipeline: one round trip.
             with db.pipelined_transaction(conn):
                 conn.execute(inbox.GENERIC_PLAN)
-                conn.execute(lease.LOCK_MANY, {"users": users})
+                conn.execute(lease.LOCK_MANY, users_key(users))
                 verdicts = inbox.send_finish(conn, finishes, now, release=release)
             return inbox.read_verdicts(verdicts)
 
@@ -227,7 +228,7 @@ class SetBased:
 
     def hand_back(self, runs, now):
         with db.transaction(self._pool) as conn:
-            conn.execute(lease.LOCK_MANY, {"users": sorted(user for user, *_ in runs)})
+            conn.execute(lease.LOCK_MANY, users_key(sorted(user for user, *_ in runs)))
             answers = []  # one HAND_BACK per holder, all sent before any is read
             for holder in sorted({holder for _, holder, _, _ in runs}):
                 mine = [run for run in runs if run[1] == holder]

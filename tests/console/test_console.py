@@ -4,7 +4,8 @@ worker's lease locks, and the run statistics behind the overview's chart."""
 import psycopg
 import pytest
 
-from agent_inbox import citus, cli
+from agent_inbox import cli
+from agent_inbox.store import keys
 from agent_inbox.store import stats
 from agent_inbox.worker import Worker
 from tests.console.conftest import TOKENS
@@ -70,12 +71,11 @@ def test_pages_never_wait_on_a_workers_lease_locks(busy, console, database_url):
     a lease updated, uncommitted: every page still answers at once, and no
     console session is seen waiting on a lock."""
     with psycopg.connect(database_url) as worker:
-        if citus.is_distributed(worker):  # each lock taken on its user's node
-            worker.cursor_factory = citus.RoutedCursor
-        locked = [worker.execute("SELECT user_id FROM leases WHERE user_id = %(user)s FOR UPDATE",
-                                 {"user": user}).fetchall() for user in ("alice", "bob")]
-        worker.execute("UPDATE leases SET until = until + 1 WHERE user_id = %(user)s",
-                       {"user": "bob"})
+        locked = [worker.execute("SELECT user_id FROM leases"
+                                 " WHERE bucket = %(bucket)s AND user_id = %(user)s FOR UPDATE",
+                                 keys.user_key(user)).fetchall() for user in ("alice", "bob")]
+        worker.execute("UPDATE leases SET until = until + 1"
+                       " WHERE bucket = %(bucket)s AND user_id = %(user)s", keys.user_key("bob"))
         assert locked == [[("alice",)], [("bob",)]]
         for path in PAGES:  # a page waiting on a lock would wait past this bound
             status, body = console.get(path, token=TOKENS["vic"][1], timeout=30)

@@ -22,7 +22,7 @@ import psycopg
 import pytest
 
 import agent_inbox.inbox
-from agent_inbox import citus
+from agent_inbox.store import keys
 from agent_inbox.store import lease as lease_store
 from tests.races import Racers, wait_for_lock_waiters
 
@@ -47,8 +47,6 @@ def race_behind(url, lock_sql, params, calls, *, commit=False, in_order=False):
     groups = [[call] for call in calls] if in_order else [list(calls)]
     started = []
     with psycopg.connect(url) as blocker:
-        if citus.is_distributed(blocker):  # the lock taken on the user's node
-            blocker.cursor_factory = citus.RoutedCursor
         blocker.execute(lock_sql, params)
         try:
             for group in groups:
@@ -84,8 +82,9 @@ def test_simultaneous_first_acquires_give_exactly_one_lease(database_url, make_i
 
     gens = race_behind(
         database_url,
-        "INSERT INTO leases (user_id, holder, gen, until) VALUES (%(user)s, 'blocker', 0, -1)",
-        {"user": "alice"}, calls)
+        "INSERT INTO leases (bucket, user_id, holder, gen, until)"
+        " VALUES (%(bucket)s, %(user)s, 'blocker', 0, -1)",
+        keys.user_key("alice"), calls)
 
     assert sorted(gens, key=lambda g: g is None) == [1] + [None] * 15
     winner = f"w{gens.index(1)}"
@@ -103,9 +102,9 @@ def test_simultaneous_ingests_of_one_key_store_it_once(database_url, make_inbox)
 
     stored = race_behind(
         database_url,
-        "INSERT INTO events (user_id, source, source_id, payload) "
-        "VALUES (%(user)s, 'mail', 'm-1', '{}'::jsonb)",
-        {"user": "alice"}, calls)
+        "INSERT INTO events (bucket, user_id, source, source_id, payload) "
+        "VALUES (%(bucket)s, %(user)s, 'mail', 'm-1', '{}'::jsonb)",
+        keys.user_key("alice"), calls)
 
     assert sorted(stored) == [False] * 7 + [True]
     assert query(database_url, "SELECT count(*) FROM events WHERE user_id = %s "
@@ -114,7 +113,7 @@ def test_simultaneous_ingests_of_one_key_store_it_once(database_url, make_inbox)
 
 # --- 3. fencing a stale holder ------------------------------------------------------
 
-LOCK_LEASE = "SELECT holder, gen, until FROM leases WHERE user_id = %(user)s FOR UPDATE"
+LOCK_LEASE = lease_store.LOCK
 
 
 def start_a_run(inbox, user, holder, now):
@@ -145,7 +144,7 @@ def test_stale_holders_finish_racing_a_takeover_is_refused(database_url, make_in
 
     # B goes first in the lock queue when in_order: its takeover commits before A's finish.
     (gen_b, ids_b, b_finished), a_finished = race_behind(
-        database_url, LOCK_LEASE, {"user": "alice"},
+        database_url, LOCK_LEASE, keys.user_key("alice"),
         [lambda: take_over_and_finish(b, "alice", "B", T + 121),
          lambda: a.finish("alice", "A", gen_a, ids_a, messages=["report sent"], now=stale_now)],
         commit=True, in_order=in_order)
@@ -355,10 +354,10 @@ def test_a_deadlock_is_retried_by_in_transaction(database_url, make_inbox):
     def lock_in_order(first, second):
         def work(conn):
             attempts.append(first)
-            conn.execute(lease_store.LOCK, {"user": first})
+            conn.execute(lease_store.LOCK, keys.user_key(first))
             if len(attempts) <= 2:              # the first round: meet, then cross
                 both_hold_one.wait(timeout=30)
-            conn.execute(lease_store.LOCK, {"user": second})
+            conn.execute(lease_store.LOCK, keys.user_key(second))
             return first
         return work
 

@@ -157,9 +157,8 @@ def test_operators_see_retry_and_discard_failed_batches(database_url, make_inbox
 
 def lock_due_as_a_dispatcher(conn, user, now):
     """A dispatcher's first claim step, as the Inbox sends it (on Citus: in the
-    user's bucket, routed)."""
+    user's bucket)."""
     if citus.is_distributed(conn):
-        conn.cursor_factory = citus.RoutedCursor
         return bucketed.lock_due_deliveries(conn, citus.bucket(user), 10, now)
     return outbox.lock_due(conn, 10, now)
 

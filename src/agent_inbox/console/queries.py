@@ -15,6 +15,7 @@ console calls them; what is here are the views the CLI has no twin for.
 from psycopg.rows import dict_row
 
 from agent_inbox.store.clock import NOW
+from agent_inbox.store.keys import user_key
 
 PAGE = 50
 
@@ -107,13 +108,13 @@ def users(conn, prefix: str, after: str, limit: int = PAGE,
 LEASE = f"""
 SELECT nullif(holder, '') AS holder, gen, until,
        CASE WHEN until >= {NOW} THEN until - {NOW} END AS expires_in, {NOW} AS now
-  FROM leases WHERE user_id = %(user)s
+  FROM leases WHERE bucket = %(bucket)s AND user_id = %(user)s
 """
 
 
 def lease(conn, user: str, now: int | None = None) -> dict | None:
     with conn.cursor(row_factory=dict_row) as cur:
-        return cur.execute(LEASE, {"user": user, "now": now}).fetchone()
+        return cur.execute(LEASE, user_key(user, now=now)).fetchone()
 
 
 # One user's events with payloads, newest first, a keyset page before `before`
@@ -122,7 +123,7 @@ TIMELINE = """
 SELECT id, source, source_id, kind, status, attempts, error, claim_gen, created_at,
        claimed_at, payload
   FROM events
- WHERE user_id = %(user)s AND id < %(before)s
+ WHERE bucket = %(bucket)s AND user_id = %(user)s AND id < %(before)s
  ORDER BY id DESC
  LIMIT %(limit)s
 """
@@ -130,7 +131,7 @@ SELECT id, source, source_id, kind, status, attempts, error, claim_gen, created_
 
 def timeline(conn, user: str, before: int, limit: int = PAGE) -> list[dict]:
     with conn.cursor(row_factory=dict_row) as cur:
-        return cur.execute(TIMELINE, {"user": user, "before": before, "limit": limit}).fetchall()
+        return cur.execute(TIMELINE, user_key(user, before=before, limit=limit)).fetchall()
 
 
 # One user's runs, as the events record them: each claim generation's events
@@ -143,7 +144,7 @@ SELECT claim_gen AS gen, min(claimed_at) AS claimed_at, count(*) AS events,
        count(*) FILTER (WHERE status = 'dead') AS dead,
        max(attempts) AS attempts
   FROM events
- WHERE user_id = %(user)s AND claim_gen IS NOT NULL
+ WHERE bucket = %(bucket)s AND user_id = %(user)s AND claim_gen IS NOT NULL
  GROUP BY claim_gen
  ORDER BY claim_gen DESC
  LIMIT %(limit)s
@@ -152,14 +153,14 @@ SELECT claim_gen AS gen, min(claimed_at) AS claimed_at, count(*) AS events,
 
 def runs(conn, user: str, limit: int = PAGE) -> list[dict]:
     with conn.cursor(row_factory=dict_row) as cur:
-        return cur.execute(RUNS, {"user": user, "limit": limit}).fetchall()
+        return cur.execute(RUNS, user_key(user, limit=limit)).fetchall()
 
 
 # One user's newest outbox messages (primary key, read backwards).
 MESSAGES = """
 SELECT id, body, created, sent_at, failed_at, error, batch, urgent
   FROM outbox
- WHERE user_id = %(user)s
+ WHERE bucket = %(bucket)s AND user_id = %(user)s
  ORDER BY id DESC
  LIMIT %(limit)s
 """
@@ -167,7 +168,7 @@ SELECT id, body, created, sent_at, failed_at, error, batch, urgent
 
 def messages(conn, user: str, limit: int = PAGE) -> list[dict]:
     with conn.cursor(row_factory=dict_row) as cur:
-        return cur.execute(MESSAGES, {"user": user, "limit": limit}).fetchall()
+        return cur.execute(MESSAGES, user_key(user, limit=limit)).fetchall()
 
 
 # Approval requests (store/approvals.py: a timer 'expire:<id>' keyed
@@ -180,7 +181,7 @@ SELECT t.user_id AS "user", substr(t.timer_id, 8) AS request, t.due AS deadline,
        t.due - {NOW} AS deadline_in, t.payload->'action' AS action,
        a.payload->>'answer' AS answer, a.created_at AS answered_at
   FROM timers t
-  LEFT JOIN events a ON a.user_id = t.user_id AND a.source = 'approval'
+  LEFT JOIN events a ON a.bucket = t.bucket AND a.user_id = t.user_id AND a.source = 'approval'
                     AND a.source_id = substr(t.timer_id, 8)
 """
 
@@ -191,7 +192,7 @@ UNANSWERED = _APPROVAL_COLUMNS + """
 """
 
 USER_APPROVALS = _APPROVAL_COLUMNS + """
- WHERE t.user_id = %(user)s AND t.timer_id LIKE 'expire:%%'
+ WHERE t.bucket = %(bucket)s AND t.user_id = %(user)s AND t.timer_id LIKE 'expire:%%'
  ORDER BY t.due DESC, t.timer_id
  LIMIT %(limit)s
 """
@@ -204,7 +205,7 @@ def unanswered(conn, limit: int = PAGE * 2, now: int | None = None) -> list[dict
 
 def user_approvals(conn, user: str, limit: int = PAGE, now: int | None = None) -> list[dict]:
     with conn.cursor(row_factory=dict_row) as cur:
-        return cur.execute(USER_APPROVALS, {"user": user, "limit": limit, "now": now}).fetchall()
+        return cur.execute(USER_APPROVALS, user_key(user, limit=limit, now=now)).fetchall()
 
 
 # Dead events named by (user, id) pairs, by primary key: what a confirmation

@@ -18,6 +18,7 @@ from psycopg.rows import dict_row
 
 from agent_inbox.store import notify
 from agent_inbox.store.clock import NOW
+from agent_inbox.store.keys import user_key, users_key
 
 # Spans users (operator view): every user with pending, running or dead events,
 # held or failed outbox messages or a lease still valid, busiest first. The totals count
@@ -93,7 +94,8 @@ EVENTS = """
 SELECT id, source, source_id, kind, status, attempts, error, claim_gen,
        created_at, available_at, claimed_at, count(*) OVER () AS total
   FROM events
- WHERE user_id = %(user)s AND (%(status)s::text IS NULL OR status = %(status)s)
+ WHERE bucket = %(bucket)s AND user_id = %(user)s
+   AND (%(status)s::text IS NULL OR status = %(status)s)
  ORDER BY id DESC
  LIMIT %(limit)s
 """
@@ -102,7 +104,7 @@ SELECT id, source, source_id, kind, status, attempts, error, claim_gen,
 def events(conn, user: str, status: str | None, limit: int) -> tuple[list[dict], int]:
     """(events newest first, without payloads; how many match in all)."""
     with conn.cursor(row_factory=dict_row) as cur:
-        rows = cur.execute(EVENTS, {"user": user, "status": status, "limit": limit}).fetchall()
+        rows = cur.execute(EVENTS, user_key(user, status=status, limit=limit)).fetchall()
     total = rows[0]["total"] if rows else 0
     return [_without(r, "total") for r in rows], total
 
@@ -113,7 +115,8 @@ DEAD = """
 SELECT user_id AS "user", id, source, source_id, attempts, error, created_at, claimed_at,
        count(*) OVER () AS total
   FROM events
- WHERE status = 'dead' AND (%(user)s::text IS NULL OR user_id = %(user)s)
+ WHERE status = 'dead'
+   AND (%(user)s::text IS NULL OR (bucket = %(bucket)s AND user_id = %(user)s))
  ORDER BY id DESC
  LIMIT %(limit)s
 """
@@ -121,7 +124,7 @@ SELECT user_id AS "user", id, source, source_id, attempts, error, created_at, cl
 
 def dead(conn, user: str | None, limit: int) -> tuple[list[dict], int]:
     with conn.cursor(row_factory=dict_row) as cur:
-        rows = cur.execute(DEAD, {"user": user, "limit": limit}).fetchall()
+        rows = cur.execute(DEAD, user_key(user, limit=limit)).fetchall()
     total = rows[0]["total"] if rows else 0
     return [_without(r, "total") for r in rows], total
 
@@ -132,23 +135,24 @@ def dead(conn, user: str | None, limit: int) -> tuple[list[dict], int]:
 # ids given); the repairs then reach each row by its primary key.
 RESOLVE = """
 SELECT id, user_id, status FROM events
- WHERE id = ANY(%(ids)s::bigint[]) AND (%(user)s::text IS NULL OR user_id = %(user)s)
+ WHERE id = ANY(%(ids)s::bigint[])
+   AND (%(user)s::text IS NULL OR (bucket = %(bucket)s AND user_id = %(user)s))
 """
 
 
 def resolve(conn, ids: list[int], user: str | None) -> dict[int, tuple[str, str]]:
     """{id: (user, status)} for the ids that exist (and are the user's, if named)."""
-    rows = conn.execute(RESOLVE, {"ids": ids, "user": user}).fetchall()
+    rows = conn.execute(RESOLVE, user_key(user, ids=ids)).fetchall()
     return {event_id: (owner, state) for event_id, owner, state in rows}
 
 
 # The named (user, id) rows that are dead, locked in key order; a row that
 # stopped being dead before the lock was granted drops out on the re-check.
 DEAD_TARGETS = """
-    SELECT e.user_id, e.id, e.attempts, e.error
+    SELECT e.bucket, e.user_id, e.id, e.attempts, e.error
       FROM events e
       JOIN unnest(%(users)s::text[], %(ids)s::bigint[]) AS t(user_id, id)
-        ON e.user_id = t.user_id AND e.id = t.id
+        ON e.bucket = ANY(%(buckets)s::int[]) AND e.user_id = t.user_id AND e.id = t.id
      WHERE e.status = 'dead'
      ORDER BY e.user_id, e.id
        FOR UPDATE OF e"""
@@ -167,18 +171,18 @@ WITH clock AS (
        SET status = 'pending', attempts = 0, error = NULL, available_at = clock.now
       FROM target t, clock
      WHERE e.user_id = t.user_id AND e.id = t.id
- RETURNING e.user_id, e.id, e.source, e.source_id, t.attempts, t.error
+ RETURNING e.bucket, e.user_id, e.id, e.source, e.source_id, t.attempts, t.error
 ), woke AS (  -- a take looks at the user (store/inbox.py, TAKE_WORK), from the first
                -- event requeued, which may be below its low-water mark (inbox.low_water)
-    INSERT INTO wakes (user_id, at, from_id)
-    SELECT user_id, clock.now, min(id) FROM requeued, clock
-     GROUP BY user_id, clock.now ORDER BY user_id
+    INSERT INTO wakes (bucket, user_id, at, from_id)
+    SELECT bucket, user_id, clock.now, min(id) FROM requeued, clock
+     GROUP BY bucket, user_id, clock.now ORDER BY user_id
 ), unstepped AS (  -- a requeued event starts with no durable steps (store/steps.py)
     DELETE FROM steps s USING requeued r
      WHERE s.user_id = r.user_id AND r.id = ANY(s.event_ids)
 ), recorded AS (
-    INSERT INTO operator_actions (user_id, at, actor, action, event_id, detail)
-    SELECT user_id, clock.now, %(actor)s, 'requeue', id,
+    INSERT INTO operator_actions (bucket, user_id, at, actor, action, event_id, detail)
+    SELECT bucket, user_id, clock.now, %(actor)s, 'requeue', id,
            jsonb_build_object('source', source, 'source_id', source_id,
                               'previous_attempts', attempts, 'previous_error', error)
       FROM requeued, clock
@@ -198,8 +202,7 @@ def requeue(conn, pairs: list[tuple[str, int]], now: int | None, actor: str) -> 
     workers; the rows requeued, with the attempts and error they had."""
     users, ids = _columns(pairs)
     with conn.cursor(row_factory=dict_row) as cur:
-        rows = cur.execute(REQUEUE, {"users": users, "ids": ids, "now": now,
-                                     "actor": actor}).fetchall()
+        rows = cur.execute(REQUEUE, users_key(users, ids=ids, now=now, actor=actor)).fetchall()
     if rows:
         conn.execute(WAKE_WORKERS)
     return rows
@@ -215,13 +218,13 @@ WITH target AS (
     DELETE FROM events e
      USING target t
      WHERE e.user_id = t.user_id AND e.id = t.id
- RETURNING e.user_id, e.id, e.source, e.source_id, e.attempts, e.error, e.payload
+ RETURNING e.bucket, e.user_id, e.id, e.source, e.source_id, e.attempts, e.error, e.payload
 ), unstepped AS (  -- and its durable steps (store/steps.py)
     DELETE FROM steps s USING discarded d
      WHERE s.user_id = d.user_id AND d.id = ANY(s.event_ids)
 ), recorded AS (
-    INSERT INTO operator_actions (user_id, actor, action, event_id, detail)
-    SELECT user_id, %(actor)s, 'discard', id,
+    INSERT INTO operator_actions (bucket, user_id, actor, action, event_id, detail)
+    SELECT bucket, user_id, %(actor)s, 'discard', id,
            jsonb_build_object('source', source, 'source_id', source_id, 'attempts', attempts,
                               'error', error, 'payload', payload)
       FROM discarded
@@ -237,14 +240,14 @@ def discard(conn, pairs: list[tuple[str, int]], actor: str) -> list[dict]:
     payload); the rows deleted."""
     users, ids = _columns(pairs)
     with conn.cursor(row_factory=dict_row) as cur:
-        return cur.execute(DISCARD, {"users": users, "ids": ids, "actor": actor}).fetchall()
+        return cur.execute(DISCARD, users_key(users, ids=ids, actor=actor)).fetchall()
 
 
 # Operator view: the recorded repairs, newest first (one user's, or all users').
 ACTIONS = """
 SELECT user_id AS "user", id, at, actor, action, event_id, detail
   FROM operator_actions
- WHERE %(user)s::text IS NULL OR user_id = %(user)s
+ WHERE %(user)s::text IS NULL OR (bucket = %(bucket)s AND user_id = %(user)s)
  ORDER BY at DESC, id DESC
  LIMIT %(limit)s
 """
@@ -252,7 +255,7 @@ SELECT user_id AS "user", id, at, actor, action, event_id, detail
 
 def actions(conn, user: str | None, limit: int) -> list[dict]:
     with conn.cursor(row_factory=dict_row) as cur:
-        return cur.execute(ACTIONS, {"user": user, "limit": limit}).fetchall()
+        return cur.execute(ACTIONS, user_key(user, limit=limit)).fetchall()
 
 
 # One user's timers (operator view): those still to fire first, soonest first
@@ -268,7 +271,7 @@ SELECT t.timer_id, t.due, t.every, t.cron, t.timezone, t.missed, t.catch_up_limi
        t.parked_at, t.error,
        t.due - clock.now AS due_in, count(*) OVER () AS total
   FROM timers t, clock
- WHERE t.user_id = %(user)s
+ WHERE t.bucket = %(bucket)s AND t.user_id = %(user)s
  ORDER BY t.done AND t.parked_at IS NULL, t.due, t.timer_id
  LIMIT %(limit)s
 """
@@ -279,7 +282,7 @@ def timers(conn, user: str, limit: int, now: int | None) -> tuple[list[dict], in
     a one-off, else None (each occurrence is keyed ('timer', '<id>@<at>'));
     `state` is 'waiting', 'done' or 'parked' (with `parked_at` and `error`)."""
     with conn.cursor(row_factory=dict_row) as cur:
-        rows = cur.execute(TIMERS, {"user": user, "limit": limit, "now": now}).fetchall()
+        rows = cur.execute(TIMERS, user_key(user, limit=limit, now=now)).fetchall()
     total = rows[0]["total"] if rows else 0
     result = []
     for r in rows:
@@ -300,13 +303,12 @@ def _without(row: dict, key: str) -> dict:
 # An operator's change of a user's memory (store/memory.py), recorded in the
 # transaction that made it, with the document it replaced.
 RECORD_MEMORY = f"""
-INSERT INTO operator_actions (user_id, at, actor, action, detail)
-VALUES (%(user)s, {NOW}, %(actor)s, %(action)s, %(detail)s::jsonb)
+INSERT INTO operator_actions (bucket, user_id, at, actor, action, detail)
+VALUES (%(bucket)s, %(user)s, {NOW}, %(actor)s, %(action)s, %(detail)s::jsonb)
 """
 
 
 def record_memory_change(conn, user: str, actor: str, previous, doc, now: int | None) -> None:
-    conn.execute(RECORD_MEMORY, {
-        "user": user, "actor": actor, "now": now,
-        "action": "memory_clear" if doc is None else "memory_set",
-        "detail": json.dumps({"previous": previous, "memory": doc})})
+    conn.execute(RECORD_MEMORY, user_key(
+        user, actor=actor, now=now, action="memory_clear" if doc is None else "memory_set",
+        detail=json.dumps({"previous": previous, "memory": doc})))

@@ -8,6 +8,7 @@ database clock: past it, the expiry is stored even if no scheduler has run.
 """
 
 from agent_inbox.store.clock import NOW
+from agent_inbox.store.keys import user_key
 
 
 def expiry_timer_id(request_id: str) -> str:
@@ -18,15 +19,16 @@ def expiry_timer_id(request_id: str) -> str:
 # request is unknown or an answer already stands. Reports whether it is known.
 ANSWER = f"""
 WITH request AS (
-    SELECT due, payload FROM timers WHERE user_id = %(user)s AND timer_id = %(timer_id)s
+    SELECT due, payload FROM timers
+     WHERE bucket = %(bucket)s AND user_id = %(user)s AND timer_id = %(timer_id)s
 ), stored AS (
-    INSERT INTO events (user_id, source, source_id, payload)
-    SELECT %(user)s, 'approval', %(request_id)s,
+    INSERT INTO events (bucket, user_id, source, source_id, payload)
+    SELECT %(bucket)s, %(user)s, 'approval', %(request_id)s,
            CASE WHEN {NOW} >= r.due THEN r.payload
                 ELSE jsonb_build_object('approval', %(request_id)s::text, 'answer', %(answer)s::text)
            END
       FROM request r
-        ON CONFLICT (user_id, source, source_id) DO NOTHING
+        ON CONFLICT ON CONSTRAINT uq_events_user_id_source_source_id DO NOTHING
 )
 SELECT EXISTS (SELECT 1 FROM request)
 """
@@ -34,13 +36,14 @@ SELECT EXISTS (SELECT 1 FROM request)
 # The answer that stands, after a conflicting insert committed first.
 STANDING = """
 SELECT payload->>'answer' FROM events
- WHERE user_id = %(user)s AND source = 'approval' AND source_id = %(request_id)s
+ WHERE bucket = %(bucket)s AND user_id = %(user)s AND source = 'approval'
+   AND source_id = %(request_id)s
 """
 
 
 def answer(conn, user: str, request_id: str, answer: str, now: int | None) -> str:
-    params = {"user": user, "request_id": request_id, "answer": answer, "now": now,
-              "timer_id": expiry_timer_id(request_id)}
+    params = user_key(user, request_id=request_id, answer=answer, now=now,
+                      timer_id=expiry_timer_id(request_id))
     while True:
         if not conn.execute(ANSWER, params).fetchone()[0]:
             return "unknown"
@@ -50,5 +53,5 @@ def answer(conn, user: str, request_id: str, answer: str, now: int | None) -> st
 
 
 def standing_answer(conn, user: str, request_id: str) -> str | None:
-    row = conn.execute(STANDING, {"user": user, "request_id": request_id}).fetchone()
+    row = conn.execute(STANDING, user_key(user, request_id=request_id)).fetchone()
     return None if row is None else row[0]

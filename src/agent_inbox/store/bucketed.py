@@ -56,6 +56,7 @@ from agent_inbox import citus
 from agent_inbox.store import approvals, inbox, lease, notify, steps, timers
 from agent_inbox.store.clock import DB_CLOCK, NOW
 from agent_inbox.store.inbox import LOOK
+from agent_inbox.store.keys import user_key
 
 # An open event of the user `w.user_id` (in the bucket) is claimable now.
 _CLAIMABLE = inbox.claimable("w.user_id", NOW, bucket="%(bucket)s")
@@ -130,7 +131,7 @@ VALUES (%(bucket)s, %(user)s, %(body)s, %(urgent)s, {NOW}, %(traceparent)s)
 # FINISH's `paced`, for one user.
 PACED = f"""
 INSERT INTO deliveries AS d (bucket, user_id, due_at) VALUES (%(bucket)s, %(user)s, {NOW})
-    ON CONFLICT (bucket, user_id) DO UPDATE
+    ON CONFLICT ON CONSTRAINT pk_deliveries DO UPDATE
    SET due_at = CASE WHEN d.batch IS NOT NULL AND d.sending_until IS NULL
                       AND d.due_at IS NOT NULL THEN d.due_at
                      ELSE least(d.due_at, excluded.due_at) END
@@ -205,7 +206,8 @@ def fire_timers(conn, bucket: int, now: int | None, limit: int) -> timers.Batch:
 # --- approvals -----------------------------------------------------------------
 
 REQUEST = f"""
-SELECT {NOW} >= due, payload FROM timers WHERE user_id = %(user)s AND timer_id = %(timer_id)s
+SELECT {NOW} >= due, payload FROM timers
+ WHERE bucket = %(bucket)s AND user_id = %(user)s AND timer_id = %(timer_id)s
 """
 
 
@@ -214,7 +216,7 @@ def answer(conn, user: str, request_id: str, answer: str, now: int | None) -> st
     deadline has passed, then the answer (or the expiry) under its key."""
     timer_id = approvals.expiry_timer_id(request_id)
     while True:
-        request = conn.execute(REQUEST, {"user": user, "timer_id": timer_id, "now": now}).fetchone()
+        request = conn.execute(REQUEST, user_key(user, timer_id=timer_id, now=now)).fetchone()
         if request is None:
             return "unknown"
         expired, expiry = request
@@ -387,15 +389,16 @@ def repair_dead(conn, pairs: list[tuple[str, int]], *, requeue: bool, actor: str
 # unexpired (the fence), then the record.
 STEP_FENCE = f"""
 SELECT 1 FROM leases l
- WHERE l.user_id = %(user)s AND {lease.fenced("%(holder)s", "%(gen)s", NOW)}
+ WHERE l.bucket = %(bucket)s AND l.user_id = %(user)s
+   AND {lease.fenced("%(holder)s", "%(gen)s", NOW)}
    FOR SHARE
 """
 
 STEP_INSERT = """
-INSERT INTO steps (user_id, event_ids, position, name, occurrence, result, holder, gen)
-VALUES (%(user)s, %(event_ids)s::bigint[], %(position)s, %(name)s, %(occurrence)s,
+INSERT INTO steps (bucket, user_id, event_ids, position, name, occurrence, result, holder, gen)
+VALUES (%(bucket)s, %(user)s, %(event_ids)s::bigint[], %(position)s, %(name)s, %(occurrence)s,
         %(result)s::jsonb, %(holder)s, %(gen)s)
-    ON CONFLICT (user_id, event_ids, position) DO NOTHING
+    ON CONFLICT ON CONSTRAINT uq_steps_user_id_event_ids_position DO NOTHING
 RETURNING 1
 """
 
@@ -405,9 +408,9 @@ def record_steps(conn, records: list[steps.StepRecord], now: int | None) -> list
     transaction; the records are one bucket's, in user order (lease locks)."""
     stored = []
     for r in records:
-        params = {"user": r.user, "holder": r.holder, "gen": r.gen, "now": now,
-                  "event_ids": list(r.event_ids), "position": r.position, "name": r.name,
-                  "occurrence": r.occurrence, "result": r.result}
+        params = user_key(r.user, holder=r.holder, gen=r.gen, now=now,
+                          event_ids=list(r.event_ids), position=r.position, name=r.name,
+                          occurrence=r.occurrence, result=r.result)
         held = conn.execute(STEP_FENCE, params).fetchone() is not None
         stored.append(held and conn.execute(STEP_INSERT, params).fetchone() is not None)
     return stored

@@ -83,13 +83,11 @@ _PARAM = re.compile(r"%\((\w+)\)s")
 
 
 def _bound(statement: str, **arguments: str) -> str:
-    """`statement`, routed to one bucket if it does not name one itself, with
-    each `%(x)s` bound to `arguments[x]` (default: the function's argument
-    `p_x`); given `now`, the clock NOW (the caller's time, else the server's)
-    is that value itself, so that no call of `clock_timestamp()` is left in
-    the statement (a volatile function: Citus would not cache its plan)."""
-    if "%(bucket)s" not in statement:
-        statement = citus.route(statement)
+    """`statement` (a statement about a user names its bucket: store/keys.py)
+    with each `%(x)s` bound to `arguments[x]` (default: the function's
+    argument `p_x`); given `now`, the clock NOW (the caller's time, else the
+    server's) is that value itself, so that no call of `clock_timestamp()` is
+    left in the statement (a volatile function: Citus would not cache its plan)."""
     if "now" in arguments:
         statement = statement.replace(NOW, arguments["now"])
     return _PARAM.sub(lambda m: arguments.get(m[1], f"p_{m[1]}"), statement).strip()

@@ -14,6 +14,7 @@ from psycopg.rows import class_row
 from agent_inbox.records import ClaimPolicy, Event
 from agent_inbox.store import lease, notify, steps, wake_rings
 from agent_inbox.store.clock import DB_CLOCK, NOW
+from agent_inbox.store.keys import user_key
 
 EVENT_COLUMNS = (
     'id, user_id AS "user", source, source_id, payload, status, attempts, error, claim_gen,'
@@ -22,17 +23,18 @@ EVENT_COLUMNS = (
 
 # Invariant 1: ON CONFLICT turns a redelivery into a no-op.
 INSERT = """
-INSERT INTO events (user_id, source, source_id, payload, kind, traceparent)
-VALUES (%(user)s, %(source)s, %(source_id)s, %(payload)s::jsonb, %(kind)s, %(traceparent)s)
-ON CONFLICT (user_id, source, source_id) DO NOTHING
+INSERT INTO events (bucket, user_id, source, source_id, payload, kind, traceparent)
+VALUES (%(bucket)s, %(user)s, %(source)s, %(source_id)s, %(payload)s::jsonb, %(kind)s,
+        %(traceparent)s)
+ON CONFLICT ON CONSTRAINT uq_events_user_id_source_source_id DO NOTHING
 RETURNING id
 """
 
 
 def insert(conn, user: str, source: str, source_id: str, payload_json: str,
            kind: str | None = None, traceparent: str | None = None) -> bool:
-    params = {"user": user, "source": source, "source_id": source_id, "payload": payload_json,
-              "kind": kind, "traceparent": traceparent}
+    params = user_key(user, source=source, source_id=source_id, payload=payload_json, kind=kind,
+                      traceparent=traceparent)
     return conn.execute(INSERT, params).fetchone() is not None
 
 
@@ -43,13 +45,13 @@ def insert(conn, user: str, source: str, source_id: str, payload_json: str,
 # for each other rather than deadlock (unless one user's keys arrive in opposite
 # orders, which the caller retries).
 INSERT_MANY = """
-INSERT INTO events (user_id, source, source_id, payload, kind, traceparent)
-SELECT b.user_id, b.source, b.source_id, b.payload::jsonb, b.kind, b.traceparent
+INSERT INTO events (bucket, user_id, source, source_id, payload, kind, traceparent)
+SELECT agent_inbox_bucket(b.user_id), b.user_id, b.source, b.source_id, b.payload::jsonb, b.kind, b.traceparent
   FROM unnest(%(users)s::text[], %(sources)s::text[], %(source_ids)s::text[], %(payloads)s::text[],
               %(kinds)s::text[], %(traceparents)s::text[])
        WITH ORDINALITY AS b(user_id, source, source_id, payload, kind, traceparent, n)
  ORDER BY b.user_id, b.n
-    ON CONFLICT (user_id, source, source_id) DO NOTHING
+    ON CONFLICT ON CONSTRAINT uq_events_user_id_source_source_id DO NOTHING
 RETURNING user_id, source, source_id
 """
 
@@ -75,17 +77,20 @@ def insert_many(conn, rows: list[tuple]) -> list[bool]:
 OPEN = "e.status IN ('pending', 'running')"
 
 
-def carried(user: str, rings: str | None = wake_rings.LIVE) -> str:
+def carried(user: str, rings: str | None = wake_rings.LIVE, bucket: str | None = None) -> str:
     """The lowest `from_id` among the wakes of `user` this statement's snapshot
     shows (SQL; NULL if none names an event): what a statement that deletes
     those wakes carries into the wake or the mark it leaves. Read in the
     `rings` (SQL: the live rings, store/wake_rings.py), or in every row if
-    None: a statement sent on Citus too, where `wakes` is one table."""
+    None: a statement sent on Citus too, where `wakes` is one table, and
+    names the user's `bucket` (SQL)."""
     live = f" AND x.ring IN ({rings})" if rings else ""
-    return f"(SELECT min(x.from_id) FROM wakes x WHERE x.user_id = {user}{live})"
+    in_bucket = f"x.bucket = {bucket} AND " if bucket else ""
+    return f"(SELECT min(x.from_id) FROM wakes x WHERE {in_bucket}x.user_id = {user}{live})"
 
 
-def low_water(user: str, lease: str = "l", rings: str | None = wake_rings.LIVE) -> str:
+def low_water(user: str, lease: str = "l", rings: str | None = wake_rings.LIVE,
+              bucket: str | None = None) -> str:
     """The low-water mark of `user` (SQL, `lease` its lease row): no open event
     of the user has a lower id (migration 0010). The lease's `open_from`,
     raised only by a finish that releases the lease, or lower where a wake
@@ -95,8 +100,8 @@ def low_water(user: str, lease: str = "l", rings: str | None = wake_rings.LIVE) 
     not see the events either. Every scan of a user's open events on the
     set-based run path starts here, past the dead row versions of the user's
     finished events that a held xmin horizon keeps in ix_events_open.
-    `rings`: as carried's."""
-    return f"least({lease}.open_from, {carried(user, rings)})"
+    `rings`, `bucket`: as carried's."""
+    return f"least({lease}.open_from, {carried(user, rings, bucket)})"
 
 
 # Invariant 4, as CTEs that follow a CTE `run(user_id, gen, now, from_id)`
@@ -168,21 +173,29 @@ def claim_set(status: str, gen: str, now: str, jitter: str) -> str:
            error = CASE WHEN {status} = 'dead' THEN 'too many attempts' ELSE e.error END"""
 
 
-CLAIM_STEPS = f"""
+def claim_steps(bucket: str | None = None) -> str:
+    """The claim's CTEs (see above). Each row the plan read is written again
+    by its TID, or, given the users' `bucket` (SQL; a statement about one user
+    that Citus runs too, which plans no lookup by TID as a router query), by
+    its bucket and key."""
+    in_bucket = f"e.bucket = {bucket} AND " if bucket else ""
+    again = (f"{in_bucket}e.user_id = p.user_id AND e.id = p.id" if bucket
+             else "e.ctid = p.version  -- the row the plan read (found by a TID scan)")
+    return f"""
 open AS (
     SELECT e.version, e.user_id, e.id, e.status, e.attempts, run.gen, run.now,
            {CLAIM_RANKS}
       FROM run CROSS JOIN LATERAL (  -- each user's open events by index, never a scan of
                                      -- all (OFFSET 0: not flattened into a join)
            SELECT e.ctid AS version, e.* FROM events e
-            WHERE e.user_id = run.user_id AND e.id >= run.from_id
+            WHERE {in_bucket}e.user_id = run.user_id AND e.id >= run.from_id
               AND {open_to_claim('run.gen')}
            OFFSET 0) e
 ), {CLAIM_PLAN}, changed AS (
     UPDATE events e
        SET {claim_set("p.status", "p.gen", "p.now", "p.jitter")}
       FROM plan p
-     WHERE e.ctid = p.version  -- the row the plan read (found by a TID scan)
+     WHERE {again}
        -- a row left running by an older generation and not claimed now stays as
        -- it is (the claim reads it as pending): it stays `unfinished`
        AND p.status <> 'pending'
@@ -195,21 +208,25 @@ open AS (
     SELECT {EVENT_COLUMNS} FROM changed WHERE status = 'running'
 )"""
 
+
+CLAIM_STEPS = claim_steps()
+
 # For a holder that already holds the lease (claim_batch): the fence, then claim.
 # Sent on Citus too (routed to the user's bucket).
 CLAIM = f"""
 WITH run AS (
-    SELECT l.user_id, l.gen, clock.now, {low_water("l.user_id", rings=None)} AS from_id
+    SELECT l.user_id, l.gen, clock.now,
+           {low_water("l.user_id", rings=None, bucket="%(bucket)s")} AS from_id
       FROM leases l, (SELECT {NOW} AS now) clock
-     WHERE l.user_id = %(user)s AND {lease.fenced("%(holder)s", "%(gen)s", "clock.now")}
-), {CLAIM_STEPS}
+     WHERE l.bucket = %(bucket)s AND l.user_id = %(user)s AND {lease.fenced("%(holder)s", "%(gen)s", "clock.now")}
+), {claim_steps(bucket="%(bucket)s")}
 SELECT * FROM claimed ORDER BY id
 """
 
 
 def send_claim(conn, user: str, holder: str, gen: int, policy: ClaimPolicy, now: int | None):
     """Send CLAIM without reading the events (pipeline mode): `.fetchall()`."""
-    params = {"user": user, "holder": holder, "gen": gen, "now": now, **policy.params()}
+    params = user_key(user, holder=holder, gen=gen, now=now, **policy.params())
     return conn.cursor(row_factory=class_row(Event)).execute(CLAIM, params)
 
 
@@ -326,10 +343,12 @@ WITH clock AS (
      WHERE l.ctid = ANY(ARRAY(SELECT lease FROM picked))  -- the rows pick locked, by TID
  RETURNING l.user_id, l.gen, l.until, l.open_from
 ), woke AS (  -- each carrying the marks of the wakes `slept` deletes (see low_water)
-    INSERT INTO wakes (user_id, at, from_id)
-    SELECT user_id, until + 1, {carried("took.user_id", wake_rings.GIVEN)} FROM took
+    INSERT INTO wakes (bucket, user_id, at, from_id)
+    SELECT agent_inbox_bucket(user_id), user_id, until + 1,
+           {carried("took.user_id", wake_rings.GIVEN)} FROM took
      UNION ALL
-    SELECT user_id, next_at, {carried("looked.user_id", wake_rings.GIVEN)} FROM looked
+    SELECT agent_inbox_bucket(user_id), user_id, next_at,
+           {carried("looked.user_id", wake_rings.GIVEN)} FROM looked
      WHERE next_at IS NOT NULL
 ), slept AS (  -- the wakes this snapshot shows of the users taken or looked at
     DELETE FROM wakes w
@@ -482,19 +501,19 @@ WITH clock AS (
       JOIN verdict ON verdict.n = mm.n JOIN run ON run.n = mm.n
      WHERE verdict.ok AND verdict.error IS NULL
 ), remembered AS (
-    INSERT INTO memory AS m (user_id, doc, updated_at, updated_by, gen)
-    SELECT r.user_id, r.doc::jsonb, clock.now, r.holder, r.gen
+    INSERT INTO memory AS m (bucket, user_id, doc, updated_at, updated_by, gen)
+    SELECT agent_inbox_bucket(r.user_id), r.user_id, r.doc::jsonb, clock.now, r.holder, r.gen
       FROM recalled r, clock
      WHERE r.doc IS NOT NULL
      ORDER BY r.user_id
-        ON CONFLICT (user_id) DO UPDATE
+        ON CONFLICT ON CONSTRAINT pk_memory DO UPDATE
        SET doc = excluded.doc, updated_at = excluded.updated_at,
            updated_by = excluded.updated_by, gen = excluded.gen
 ), forgotten AS (
     DELETE FROM memory m USING recalled r WHERE r.doc IS NULL AND m.user_id = r.user_id
 ), queued AS (
-    INSERT INTO outbox (user_id, body, urgent, created, traceparent)
-    SELECT verdict.user_id, m.body, m.urgent, clock.now, verdict.traceparent
+    INSERT INTO outbox (bucket, user_id, body, urgent, created, traceparent)
+    SELECT agent_inbox_bucket(verdict.user_id), verdict.user_id, m.body, m.urgent, clock.now, verdict.traceparent
       FROM unnest(%(message_runs)s::bigint[], %(bodies)s::text[], %(urgent)s::boolean[])
            WITH ORDINALITY AS m(n, body, urgent, k)
       JOIN verdict ON verdict.n = m.n, clock
@@ -503,9 +522,10 @@ WITH clock AS (
  RETURNING user_id
 ), paced AS (  -- a dispatcher looks at the user now (store/outbox.py paces the send),
                 -- unless a failed batch is backing off: it goes first, at its time
-    INSERT INTO deliveries AS d (user_id, due_at)
-    SELECT DISTINCT user_id, clock.now FROM queued, clock ORDER BY user_id
-        ON CONFLICT (user_id) DO UPDATE
+    INSERT INTO deliveries AS d (bucket, user_id, due_at)
+    SELECT DISTINCT agent_inbox_bucket(user_id), user_id, clock.now FROM queued, clock
+     ORDER BY user_id
+        ON CONFLICT ON CONSTRAINT pk_deliveries DO UPDATE
        SET due_at = CASE WHEN d.batch IS NOT NULL AND d.sending_until IS NULL
                           AND d.due_at IS NOT NULL THEN d.due_at
                          ELSE least(d.due_at, excluded.due_at) END
@@ -531,8 +551,8 @@ WITH clock AS (
      WHERE verdict.ok AND %(release)s AND w.user_id = verdict.user_id
        AND w.ring IN ({wake_rings.LIVE})
 ), woke AS (
-    INSERT INTO wakes (user_id, at)
-    SELECT verdict.user_id, clock.now FROM verdict JOIN left_open ON left_open.n = verdict.n, clock
+    INSERT INTO wakes (bucket, user_id, at)
+    SELECT agent_inbox_bucket(verdict.user_id), verdict.user_id, clock.now FROM verdict JOIN left_open ON left_open.n = verdict.n, clock
      WHERE left_open.first IS NOT NULL
 )
 SELECT ok, CASE WHEN n = 1 AND EXISTS (SELECT 1 FROM queued)
@@ -601,11 +621,12 @@ def finish(conn, finishes: list[Finish], now: int | None, *, release: bool = Fal
 # Operator view of one user's events.
 LIST = f"""
 SELECT {EVENT_COLUMNS} FROM events
- WHERE user_id = %(user)s AND (%(status)s::text IS NULL OR status = %(status)s)
+ WHERE bucket = %(bucket)s AND user_id = %(user)s
+   AND (%(status)s::text IS NULL OR status = %(status)s)
  ORDER BY id
 """
 
 
 def list_events(conn, user: str, status: str | None) -> list[Event]:
     with conn.cursor(row_factory=class_row(Event)) as cur:
-        return cur.execute(LIST, {"user": user, "status": status}).fetchall()
+        return cur.execute(LIST, user_key(user, status=status)).fetchall()

@@ -21,6 +21,7 @@ every later step is an update of a row that exists.
 
 from agent_inbox.records import Lease
 from agent_inbox.store.clock import NOW
+from agent_inbox.store.keys import user_key, users_key
 
 
 def fenced(holder: str, gen: str, now: str, lease: str = "l") -> str:
@@ -39,25 +40,28 @@ def claimed_by(gen: str, event: str = "e") -> str:
     return f"{event}.status = 'running' AND {event}.claim_gen = {gen}"
 
 # Invariant 2: the lease row is the per-user mutex for every run-path transaction.
-LOCK = "SELECT holder, gen, until FROM leases WHERE user_id = %(user)s FOR UPDATE"
+LOCK = ("SELECT holder, gen, until FROM leases WHERE bucket = %(bucket)s AND user_id = %(user)s"
+        " FOR UPDATE")
 
 
 def lock(conn, user: str) -> Lease | None:
-    row = conn.execute(LOCK, {"user": user}).fetchone()
+    row = conn.execute(LOCK, user_key(user)).fetchone()
     return Lease(*row) if row else None
 
 
 # Several users' leases in one statement, always in user order: transactions
 # that lock overlapping sets wait for each other instead of deadlocking.
 LOCK_MANY = """
-SELECT user_id FROM leases WHERE user_id = ANY(%(users)s::text[]) ORDER BY user_id FOR UPDATE
+SELECT user_id FROM leases
+ WHERE bucket = ANY(%(buckets)s::int[]) AND user_id = ANY(%(users)s::text[])
+ ORDER BY user_id FOR UPDATE
 """
 
 
 # A user's first acquire: an expired gen-0 lease that the next step takes over.
 CREATE_EXPIRED = """
-INSERT INTO leases (user_id, holder, gen, until) VALUES (%(user)s, '', 0, -1)
-ON CONFLICT (user_id) DO NOTHING
+INSERT INTO leases (bucket, user_id, holder, gen, until) VALUES (%(bucket)s, %(user)s, '', 0, -1)
+ON CONFLICT ON CONSTRAINT pk_leases DO NOTHING
 """
 
 # Invariant 2: renewal keeps gen, a takeover of an expired lease increments it.
@@ -68,7 +72,7 @@ UPDATE leases l
        gen = CASE WHEN l.until < clock.now THEN l.gen + 1 ELSE l.gen END,
        until = clock.now + %(ttl)s
   FROM clock
- WHERE l.user_id = %(user)s
+ WHERE l.bucket = %(bucket)s AND l.user_id = %(user)s
    AND (l.until < clock.now OR l.holder = %(holder)s)
 RETURNING l.gen
 """
@@ -77,9 +81,9 @@ RETURNING l.gen
 def acquire(conn, user: str, holder: str, ttl: int, now: int | None) -> int | None:
     """Take or renew the lease; the generation, or None if another holds it."""
     if lock(conn, user) is None:
-        conn.execute(CREATE_EXPIRED, {"user": user})
+        conn.execute(CREATE_EXPIRED, user_key(user))
         lock(conn, user)
-    row = conn.execute(ACQUIRE, {"user": user, "holder": holder, "ttl": ttl, "now": now}).fetchone()
+    row = conn.execute(ACQUIRE, user_key(user, holder=holder, ttl=ttl, now=now)).fetchone()
     return row[0] if row else None
 
 
@@ -89,9 +93,9 @@ HELD = f"""
 WITH clock AS (
     SELECT {NOW} AS now
 ), held AS (
-    SELECT l.user_id, l.gen
+    SELECT l.bucket, l.user_id, l.gen
       FROM leases l, clock, unnest(%(users)s::text[], %(gens)s::bigint[]) AS k(user_id, gen)
-     WHERE l.user_id = k.user_id AND {fenced("%(holder)s", "k.gen", "clock.now")}
+     WHERE l.bucket = ANY(%(buckets)s::int[]) AND l.user_id = k.user_id AND {fenced("%(holder)s", "k.gen", "clock.now")}
      ORDER BY l.user_id
        FOR UPDATE OF l
 )"""
@@ -101,7 +105,7 @@ WITH clock AS (
 RENEW = HELD + """, renewed AS (
     UPDATE leases l SET until = clock.now + %(ttl)s
       FROM clock, held
-     WHERE l.user_id = held.user_id
+     WHERE l.bucket = ANY(%(buckets)s::int[]) AND l.user_id = held.user_id
  RETURNING l.user_id, l.gen
 )
 SELECT user_id, gen FROM renewed
@@ -110,8 +114,8 @@ SELECT user_id, gen FROM renewed
 
 def renew(conn, holder: str, keys: list[tuple[str, int]], ttl: int, now: int | None) -> set:
     """The (user, gen) of the leases extended; the others were lost."""
-    params = {"holder": holder, "users": [u for u, _ in keys], "gens": [g for _, g in keys],
-              "ttl": ttl, "now": now}
+    params = users_key([u for u, _ in keys], holder=holder, gens=[g for _, g in keys],
+                       ttl=ttl, now=now)
     return {tuple(row) for row in conn.execute(RENEW, params).fetchall()}
 
 
@@ -130,8 +134,8 @@ def renew(conn, holder: str, keys: list[tuple[str, int]], ttl: int, now: int | N
 RELEASE = HELD + f""", released AS (
     UPDATE leases l SET until = clock.now - 1
       FROM clock, held
-     WHERE l.user_id = held.user_id
- RETURNING l.user_id, l.gen
+     WHERE l.bucket = ANY(%(buckets)s::int[]) AND l.user_id = held.user_id
+ RETURNING l.bucket, l.user_id, l.gen
 ), marked AS (
     UPDATE events e
        SET status = CASE WHEN %(spare)s AND e.attempts = 1 THEN 'pending' ELSE e.status END,
@@ -140,7 +144,7 @@ RELEASE = HELD + f""", released AS (
       FROM clock, released r
      WHERE e.user_id = r.user_id AND {claimed_by("r.gen")}
 ), woke AS (
-    INSERT INTO wakes (user_id, at) SELECT user_id, clock.now FROM released, clock
+    INSERT INTO wakes (bucket, user_id, at) SELECT bucket, user_id, clock.now FROM released, clock
 )
 SELECT user_id FROM released
 """
@@ -149,8 +153,8 @@ SELECT user_id FROM released
 def release(conn, holder: str, keys: list[tuple[str, int]], now: int | None, *,
             error: str | None = None, at_once: bool = True, spare: bool = False) -> list[str]:
     """The users whose leases were released (those this holder still held)."""
-    params = {"holder": holder, "users": [u for u, _ in keys], "gens": [g for _, g in keys],
-              "now": now, "error": error, "at_once": at_once, "spare": spare}
+    params = users_key([u for u, _ in keys], holder=holder, gens=[g for _, g in keys],
+                       now=now, error=error, at_once=at_once, spare=spare)
     return [user for user, in conn.execute(RELEASE, params).fetchall()]
 
 
@@ -184,7 +188,7 @@ UNDO_CLAIMS = f"""unclaimed AS (
       FROM returned r
      WHERE e.user_id = r.user_id AND {claimed_by("r.gen")}
 ), woke AS (
-    INSERT INTO wakes (user_id, at) SELECT user_id, clock.now FROM returned, clock
+    INSERT INTO wakes (bucket, user_id, at) SELECT bucket, user_id, clock.now FROM returned, clock
 )"""
 
 HAND_BACK = f"""
@@ -195,7 +199,7 @@ WITH clock AS (
       FROM clock, unnest(%(users)s::text[], %(gens)s::bigint[], %(unfinished)s::boolean[])
                   AS given(user_id, gen, unfinished)
      WHERE l.user_id = given.user_id AND {fenced("%(holder)s", "given.gen", "clock.now")}
- RETURNING l.user_id, l.gen, given.unfinished
+ RETURNING l.bucket, l.user_id, l.gen, given.unfinished
 ), {UNDO_CLAIMS}
 SELECT user_id FROM returned
 """
@@ -220,7 +224,7 @@ WITH clock AS (
     UPDATE leases l SET until = clock.now - 1
       FROM clock, orphans o
      WHERE l.user_id = o.user_id AND l.holder = %(holder)s AND l.until >= clock.now
- RETURNING l.user_id, l.gen, true AS unfinished
+ RETURNING l.bucket, l.user_id, l.gen, true AS unfinished
 ), {UNDO_CLAIMS}
 SELECT user_id FROM returned
 """

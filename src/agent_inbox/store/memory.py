@@ -10,35 +10,37 @@ lease was taken.
 """
 
 from agent_inbox.store.clock import NOW
+from agent_inbox.store.keys import user_key
 
 # One user's document replaced (json text) or deleted (None), in the caller's
 # transaction, which holds the user's lease row.
 UPSERT = f"""
-INSERT INTO memory AS m (user_id, doc, updated_at, updated_by, gen)
-VALUES (%(user)s, %(doc)s::jsonb, {NOW}, %(by)s, %(gen)s)
-    ON CONFLICT (user_id) DO UPDATE
+INSERT INTO memory AS m (bucket, user_id, doc, updated_at, updated_by, gen)
+VALUES (%(bucket)s, %(user)s, %(doc)s::jsonb, {NOW}, %(by)s, %(gen)s)
+    ON CONFLICT ON CONSTRAINT pk_memory DO UPDATE
    SET doc = excluded.doc, updated_at = excluded.updated_at, updated_by = excluded.updated_by,
        gen = excluded.gen
 """
 
-DELETE = "DELETE FROM memory m WHERE m.user_id = %(user)s RETURNING m.doc"
+DELETE = "DELETE FROM memory m WHERE m.bucket = %(bucket)s AND m.user_id = %(user)s RETURNING m.doc"
 
 
 def replace(conn, user: str, doc: str | None, by: str, gen: int | None, now: int | None) -> None:
     if doc is None:
-        conn.execute(DELETE, {"user": user})
+        conn.execute(DELETE, user_key(user))
     else:
-        conn.execute(UPSERT, {"user": user, "doc": doc, "by": by, "gen": gen, "now": now})
+        conn.execute(UPSERT, user_key(user, doc=doc, by=by, gen=gen, now=now))
 
 
 GET = """
-SELECT m.doc, m.updated_at, m.updated_by, m.gen FROM memory m WHERE m.user_id = %(user)s
+SELECT m.doc, m.updated_at, m.updated_by, m.gen FROM memory m
+ WHERE m.bucket = %(bucket)s AND m.user_id = %(user)s
 """
 
 
 def get(conn, user: str) -> dict | None:
     """The user's memory row: doc, updated_at, updated_by, gen; None if none."""
-    row = conn.execute(GET, {"user": user}).fetchone()
+    row = conn.execute(GET, user_key(user)).fetchone()
     return None if row is None else dict(zip(("doc", "updated_at", "updated_by", "gen"), row))
 
 
@@ -47,6 +49,6 @@ def get(conn, user: str) -> dict | None:
 # change: the operator is told to try again). No lease row: no run ever.
 OPERATOR_LOCK = f"""
 SELECT l.holder, l.gen, l.until - {NOW} AS expires_in
-  FROM leases l WHERE l.user_id = %(user)s
+  FROM leases l WHERE l.bucket = %(bucket)s AND l.user_id = %(user)s
    FOR UPDATE
 """

@@ -37,6 +37,7 @@ from psycopg.rows import class_row, dict_row
 from agent_inbox.records import OutboxMessage
 from agent_inbox.store import notify
 from agent_inbox.store.clock import NOW
+from agent_inbox.store.keys import user_key, users_key
 
 # The users a dispatcher claims: due ones, longest due first, skipping rows
 # another dispatcher (or a finish) holds. LOCK_USER: one user, for the API's
@@ -49,7 +50,8 @@ SELECT user_id FROM deliveries
    FOR UPDATE SKIP LOCKED
 """
 LOCK_USER = """
-SELECT user_id FROM deliveries WHERE user_id = %(user)s FOR UPDATE SKIP LOCKED
+SELECT user_id FROM deliveries WHERE bucket = %(bucket)s AND user_id = %(user)s
+   FOR UPDATE SKIP LOCKED
 """
 
 # The claim for users whose delivery rows this transaction locked. Per user:
@@ -64,13 +66,14 @@ CLAIM = f"""
 WITH clock AS (
     SELECT {NOW} AS now
 ), mine AS (
-    SELECT d.*, d.ctid AS version, clock.now FROM deliveries d, clock
-     WHERE d.user_id = ANY(%(users)s::text[])
+    SELECT d.*, clock.now FROM deliveries d, clock
+     WHERE d.bucket = ANY(%(buckets)s::int[]) AND d.user_id = ANY(%(users)s::text[])
 ), held AS (
     SELECT m.user_id, o.id, o.body, o.urgent, o.batch, o.traceparent
       FROM mine m CROSS JOIN LATERAL (
            SELECT o.id, o.body, o.urgent, o.batch, o.traceparent FROM outbox o
-            WHERE o.user_id = m.user_id AND o.sent_at IS NULL AND o.failed_at IS NULL
+            WHERE o.bucket = ANY(%(buckets)s::int[]) AND o.user_id = m.user_id
+              AND o.sent_at IS NULL AND o.failed_at IS NULL
            OFFSET 0) o
 ), looked AS (
     SELECT m.*,
@@ -94,7 +97,7 @@ WITH clock AS (
 ), written_down AS (
     UPDATE outbox o SET batch = v.first_held
       FROM verdict v JOIN held h ON h.user_id = v.user_id
-     WHERE v.verdict = 'send' AND o.user_id = h.user_id AND o.id = h.id
+     WHERE v.verdict = 'send' AND o.bucket = ANY(%(buckets)s::int[]) AND o.user_id = h.user_id AND o.id = h.id
 ), claimed AS (  -- searched CASEs: Citus deparses `CASE x WHEN ...` in an UPDATE wrongly
     UPDATE deliveries d
        SET batch = CASE WHEN v.verdict = 'send' THEN v.first_held
@@ -109,7 +112,7 @@ WITH clock AS (
                          WHEN v.verdict = 'in_flight' THEN d.sending_until
                          ELSE v.now + %(send_timeout)s END
       FROM verdict v
-     WHERE d.ctid = v.version
+     WHERE d.bucket = ANY(%(buckets)s::int[]) AND d.user_id = v.user_id
  RETURNING d.user_id, d.batch, d.send_token, v.verdict
 )
 SELECT c.user_id, c.batch, c.send_token, h.id, h.body, h.traceparent
@@ -142,7 +145,7 @@ class Batch:
 def claim(conn, users: list[str], *, gap: int, send_timeout: int, now: int | None) -> list[Batch]:
     """The batches to send now for `users`, whose delivery rows the caller's
     transaction has locked (lock_due or lock_user)."""
-    params = {"users": users, "gap": gap, "send_timeout": send_timeout, "now": now}
+    params = users_key(users, gap=gap, send_timeout=send_timeout, now=now)
     batches: dict[str, Batch] = {}
     for user, batch, token, row_id, body, traceparent in conn.execute(CLAIM, params).fetchall():
         found = batches.setdefault(user, Batch(user, batch, token, [], []))
@@ -157,7 +160,7 @@ def lock_due(conn, limit: int, now: int | None) -> list[str]:
 
 
 def lock_user(conn, user: str) -> list[str]:
-    return [u for u, in conn.execute(LOCK_USER, {"user": user}).fetchall()]
+    return [u for u, in conn.execute(LOCK_USER, user_key(user)).fetchall()]
 
 
 # Batches sent: their rows marked, the pace restarted, fenced by the claim's
@@ -175,17 +178,20 @@ WITH clock AS (
            last_sent_at = clock.now,
            due_at = CASE WHEN d.due_at < d.sending_until
                            OR EXISTS (SELECT 1 FROM outbox o
-                                       WHERE o.user_id = d.user_id AND o.sent_at IS NULL
+                                       WHERE o.bucket = ANY(%(buckets)s::int[]) AND o.user_id = d.user_id
+                                         AND o.sent_at IS NULL
                                          AND o.failed_at IS NULL AND o.urgent
                                          AND o.batch IS DISTINCT FROM k.batch)
                          THEN clock.now ELSE clock.now + %(gap)s END
       FROM sent k, clock
-     WHERE d.user_id = k.user_id AND d.batch = k.batch AND d.send_token = k.token
+     WHERE d.bucket = ANY(%(buckets)s::int[]) AND d.user_id = k.user_id AND d.batch = k.batch
+       AND d.send_token = k.token
  RETURNING d.user_id, k.batch
 ), rows_sent AS (
     UPDATE outbox o SET sent_at = clock.now
       FROM marked m, clock
-     WHERE o.user_id = m.user_id AND o.batch = m.batch AND o.sent_at IS NULL
+     WHERE o.bucket = ANY(%(buckets)s::int[]) AND o.user_id = m.user_id AND o.batch = m.batch
+       AND o.sent_at IS NULL
 )
 SELECT user_id, batch FROM marked
 """
@@ -213,12 +219,14 @@ WITH clock AS (
                                                 * k.jitter)::bigint END,
            sending_until = NULL, last_error = k.error
       FROM failed k, clock
-     WHERE d.user_id = k.user_id AND d.batch = k.batch AND d.send_token = k.token
+     WHERE d.bucket = ANY(%(buckets)s::int[]) AND d.user_id = k.user_id AND d.batch = k.batch
+       AND d.send_token = k.token
  RETURNING d.user_id, k.batch, k.error, d.batch IS NULL AS parked
 ), parked_rows AS (
     UPDATE outbox o SET failed_at = clock.now, error = r.error
       FROM recorded r, clock
-     WHERE r.parked AND o.user_id = r.user_id AND o.batch = r.batch AND o.sent_at IS NULL
+     WHERE r.parked AND o.bucket = ANY(%(buckets)s::int[]) AND o.user_id = r.user_id AND o.batch = r.batch
+       AND o.sent_at IS NULL
 )
 SELECT user_id, batch, parked FROM recorded
 """
@@ -232,20 +240,22 @@ class Failure:
 
 
 def _keys(batches: list[Batch]) -> dict:
-    return {"users": [b.user for b in batches], "batches": [b.batch for b in batches],
-            "tokens": [b.token for b in batches]}
+    return users_key([b.user for b in batches], batches=[b.batch for b in batches],
+                     tokens=[b.token for b in batches])
 
 
 # Outcomes lock their users' delivery rows in user order first, as a finish
 # queueing messages for several users does: sends end in any order, and two
 # transactions locking the same rows in different orders can deadlock.
 LOCK_USERS = """
-SELECT user_id FROM deliveries WHERE user_id = ANY(%(users)s::text[]) ORDER BY user_id FOR UPDATE
+SELECT user_id FROM deliveries
+ WHERE bucket = ANY(%(buckets)s::int[]) AND user_id = ANY(%(users)s::text[])
+ ORDER BY user_id FOR UPDATE
 """
 
 
 def _lock_in_order(conn, batches: list[Batch]) -> None:
-    conn.execute(LOCK_USERS, {"users": [b.user for b in batches]})
+    conn.execute(LOCK_USERS, users_key(b.user for b in batches))
 
 
 def mark_sent(conn, batches: list[Batch], *, gap: int, now: int | None) -> set[tuple[str, int]]:
@@ -282,12 +292,13 @@ def seconds_to_next_due(conn, now: int | None) -> int | None:
 # delivery row makes due, as rows queued by a worker older than the delivery
 # table leave them (a rolling upgrade). Reads every held row: for that rare pass.
 ADOPT_HELD = f"""
-INSERT INTO deliveries AS d (user_id, due_at)
-SELECT DISTINCT o.user_id, {NOW} FROM outbox o
+INSERT INTO deliveries AS d (bucket, user_id, due_at)
+SELECT DISTINCT o.bucket, o.user_id, {NOW} FROM outbox o
  WHERE o.sent_at IS NULL AND o.failed_at IS NULL
-   AND NOT EXISTS (SELECT 1 FROM deliveries x WHERE x.user_id = o.user_id AND x.due_at IS NOT NULL)
- ORDER BY 1
-    ON CONFLICT (user_id) DO UPDATE SET due_at = least(d.due_at, excluded.due_at)
+   AND NOT EXISTS (SELECT 1 FROM deliveries x WHERE x.bucket = o.bucket AND x.user_id = o.user_id
+                                                AND x.due_at IS NOT NULL)
+ ORDER BY 2
+    ON CONFLICT ON CONSTRAINT pk_deliveries DO UPDATE SET due_at = least(d.due_at, excluded.due_at)
 """
 
 
@@ -312,12 +323,12 @@ SELECT user_id FROM deliveries WHERE {_STALE_PACE} ORDER BY user_id LIMIT %(limi
 REPACE = f"""
 WITH stale AS (
     SELECT user_id FROM deliveries
-     WHERE user_id = ANY(%(users)s::text[]) AND {_STALE_PACE}
+     WHERE bucket = ANY(%(buckets)s::int[]) AND user_id = ANY(%(users)s::text[]) AND {_STALE_PACE}
      ORDER BY user_id
        FOR UPDATE SKIP LOCKED
 )
 UPDATE deliveries d SET due_at = d.last_sent_at + %(gap)s
-  FROM stale WHERE d.user_id = stale.user_id
+  FROM stale WHERE d.bucket = ANY(%(buckets)s::int[]) AND d.user_id = stale.user_id
 """
 REPACE_LIMIT = 10_000
 
@@ -331,7 +342,7 @@ def stale_pace_users(conn, gap: int, now: int | None) -> list[str]:
 def repace(conn, users: list[str], gap: int, now: int | None) -> int:
     """Users among `users` paced by a longer gap made due at last send + `gap`."""
     now = now if now is not None else conn.execute(f"SELECT {NOW}", {"now": None}).fetchone()[0]
-    return conn.execute(REPACE, {"users": users, "gap": gap, "now": now}).rowcount
+    return conn.execute(REPACE, users_key(users, gap=gap, now=now)).rowcount
 
 
 # Operator repairs of parked batches, by batch id (its first row's id, unique
@@ -347,19 +358,20 @@ SELECT DISTINCT o.user_id FROM outbox o
 """
 
 _FAILED_BATCHES = """target AS (
-    SELECT o.user_id, o.batch, count(*) AS messages, min(o.error) AS error,
+    SELECT o.bucket, o.user_id, o.batch, count(*) AS messages, min(o.error) AS error,
            min(o.failed_at) AS failed_at
       FROM outbox o
-     WHERE o.batch = ANY(%(batches)s::bigint[]) AND o.user_id = ANY(%(users)s::text[])
+     WHERE o.batch = ANY(%(batches)s::bigint[])
+       AND o.bucket = ANY(%(buckets)s::int[]) AND o.user_id = ANY(%(users)s::text[])
        AND o.sent_at IS NULL AND o.failed_at IS NOT NULL
-     GROUP BY o.user_id, o.batch
+     GROUP BY o.bucket, o.user_id, o.batch
 )"""
 
 # Both repairs end here, after a CTE `extra(user_id, batch, detail)` of what
 # the record keeps beyond the batch's size, error and time.
 _RECORD_REPAIR = """recorded AS (
-    INSERT INTO operator_actions (user_id, actor, action, outbox_batch, detail)
-    SELECT t.user_id, %(actor)s, %(action)s, t.batch,
+    INSERT INTO operator_actions (bucket, user_id, actor, action, outbox_batch, detail)
+    SELECT t.bucket, t.user_id, %(actor)s, %(action)s, t.batch,
            jsonb_build_object('messages', t.messages, 'error', t.error,
                               'failed_at', t.failed_at) || x.detail
       FROM target t JOIN extra x ON x.user_id = t.user_id AND x.batch = t.batch
@@ -375,10 +387,11 @@ WITH clock AS (
 ), {_FAILED_BATCHES}, unparked AS (
     UPDATE outbox o SET failed_at = NULL, error = NULL
       FROM target t
-     WHERE o.user_id = t.user_id AND o.batch = t.batch AND o.sent_at IS NULL
+     WHERE o.bucket = ANY(%(buckets)s::int[]) AND o.user_id = t.user_id AND o.batch = t.batch
+       AND o.sent_at IS NULL
 ), due AS (
     UPDATE deliveries d SET due_at = least(d.due_at, clock.now)
-      FROM clock WHERE d.user_id IN (SELECT user_id FROM target)
+      FROM clock WHERE d.bucket = ANY(%(buckets)s::int[]) AND d.user_id IN (SELECT user_id FROM target)
 ), extra AS (
     SELECT user_id, batch, '{{}}'::jsonb AS detail FROM target
 ), {_RECORD_REPAIR}"""
@@ -387,7 +400,8 @@ WITH clock AS (
 DISCARD_FAILED = f"""
 WITH {_FAILED_BATCHES}, deleted AS (
     DELETE FROM outbox o USING target t
-     WHERE o.user_id = t.user_id AND o.batch = t.batch AND o.sent_at IS NULL
+     WHERE o.bucket = ANY(%(buckets)s::int[]) AND o.user_id = t.user_id AND o.batch = t.batch
+       AND o.sent_at IS NULL
  RETURNING o.user_id, o.batch, o.id, o.body
 ), extra AS (
     SELECT user_id, batch, jsonb_build_object('bodies', jsonb_agg(body ORDER BY id)) AS detail
@@ -404,9 +418,9 @@ def repair_failed(conn, batches: list[int], *, retry: bool, actor: str, now: int
     users = [u for u, in conn.execute(FAILED_USERS, {"batches": batches}).fetchall()]
     rows = []
     for group in groups(users, lambda user: user):
-        conn.execute(LOCK_USERS, {"users": group})
-        params = {"batches": batches, "users": group, "actor": actor, "now": now,
-                  "action": "outbox_retry" if retry else "outbox_discard"}
+        conn.execute(LOCK_USERS, users_key(group))
+        params = users_key(group, batches=batches, actor=actor, now=now,
+                           action="outbox_retry" if retry else "outbox_discard")
         with conn.cursor(row_factory=dict_row) as cur:
             rows += cur.execute(RETRY_FAILED if retry else DISCARD_FAILED, params).fetchall()
     if rows and retry:
@@ -432,7 +446,7 @@ SELECT o.user_id AS "user", o.batch, count(*) AS messages, min(o.failed_at) AS f
        min(o.error) AS error, count(*) OVER () AS total
   FROM outbox o
  WHERE o.sent_at IS NULL AND o.failed_at IS NOT NULL
-   AND (%(user)s::text IS NULL OR o.user_id = %(user)s)
+   AND (%(user)s::text IS NULL OR (o.bucket = %(bucket)s AND o.user_id = %(user)s))
  GROUP BY o.user_id, o.batch
  ORDER BY min(o.failed_at) DESC, o.batch DESC
  LIMIT %(limit)s
@@ -441,7 +455,7 @@ SELECT o.user_id AS "user", o.batch, count(*) AS messages, min(o.failed_at) AS f
 
 def failed_batches(conn, user: str | None, limit: int) -> tuple[list[dict], int]:
     with conn.cursor(row_factory=dict_row) as cur:
-        rows = cur.execute(FAILED, {"user": user, "limit": limit}).fetchall()
+        rows = cur.execute(FAILED, user_key(user, limit=limit)).fetchall()
     total = rows[0].pop("total") if rows else 0
     for row in rows[1:]:
         row.pop("total")
@@ -455,11 +469,11 @@ SELECT o.id, o.body, o.created, o.sent_at, o.failed_at,
        coalesce(o.error, CASE WHEN o.sent_at IS NULL AND o.batch = d.batch
                               THEN d.last_error END) AS error,
        o.batch
-  FROM outbox o LEFT JOIN deliveries d ON d.user_id = o.user_id
- WHERE o.user_id = %(user)s ORDER BY o.id
+  FROM outbox o LEFT JOIN deliveries d ON d.bucket = %(bucket)s AND d.user_id = o.user_id
+ WHERE o.bucket = %(bucket)s AND o.user_id = %(user)s ORDER BY o.id
 """
 
 
 def list_messages(conn, user: str) -> list[OutboxMessage]:
     with conn.cursor(row_factory=class_row(OutboxMessage)) as cur:
-        return cur.execute(LIST, {"user": user}).fetchall()
+        return cur.execute(LIST, user_key(user)).fetchall()

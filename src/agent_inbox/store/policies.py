@@ -22,6 +22,7 @@ import json
 
 from agent_inbox.store import lease
 from agent_inbox.store.clock import NOW
+from agent_inbox.store.keys import user_key
 
 ANSWERS = ("allow", "deny", "ask")
 DEFAULT_ASK_EXPIRES_IN = 86400
@@ -44,7 +45,8 @@ def request_id(tool: str, args_digest: str) -> str:
 # takeover either commits first (no row: LeaseLost) or waits for the decision.
 HOLD = f"""
 SELECT 1 FROM leases l
- WHERE l.user_id = %(user)s AND {lease.fenced("%(holder)s", "%(gen)s", NOW)}
+ WHERE l.bucket = %(bucket)s AND l.user_id = %(user)s
+   AND {lease.fenced("%(holder)s", "%(gen)s", NOW)}
    FOR SHARE
 """
 
@@ -55,7 +57,8 @@ WITH rule AS (
     SELECT r.rule, r.answer, r.ask_expires_in FROM (
         SELECT CASE WHEN p.tool = '*' THEN 2 ELSE 1 END AS rank, 'user:' || p.tool AS rule,
                p.answer, p.ask_expires_in
-          FROM policies p WHERE p.user_id = %(user)s AND p.tool IN (%(tool)s, '*')
+          FROM policies p
+         WHERE p.bucket = %(bucket)s AND p.user_id = %(user)s AND p.tool IN (%(tool)s, '*')
          UNION ALL
         SELECT CASE WHEN d.tool = '*' THEN 4 ELSE 3 END, 'default:' || d.tool,
                d.answer, d.ask_expires_in
@@ -66,14 +69,14 @@ WITH rule AS (
 )
 SELECT rule.rule, rule.answer, rule.ask_expires_in,
        (SELECT e.payload->>'answer' FROM events e
-         WHERE e.user_id = %(user)s AND e.source = 'approval'
+         WHERE e.bucket = %(bucket)s AND e.user_id = %(user)s AND e.source = 'approval'
            AND e.source_id = %(request_id)s) AS approval
   FROM rule
 """
 
 RECORD = f"""
-INSERT INTO permit_decisions (user_id, at, tool, args_digest, answer, rule, holder, gen)
-VALUES (%(user)s, {NOW}, %(tool)s, %(digest)s, %(answer)s, %(rule)s, %(holder)s, %(gen)s)
+INSERT INTO permit_decisions (bucket, user_id, at, tool, args_digest, answer, rule, holder, gen)
+VALUES (%(bucket)s, %(user)s, {NOW}, %(tool)s, %(digest)s, %(answer)s, %(rule)s, %(holder)s, %(gen)s)
 """
 
 
@@ -84,8 +87,8 @@ def decide(conn, user: str, holder: str, gen: int, tool: str, args_digest: str,
     are locked everywhere); None if the run no longer holds its lease (nothing
     recorded).
     The answer is 'allow', 'deny', or 'ask' for an unanswered approval."""
-    params = {"user": user, "holder": holder, "gen": gen, "tool": tool, "digest": args_digest,
-              "request_id": request_id(tool, args_digest), "now": now}
+    params = user_key(user, holder=holder, gen=gen, tool=tool, digest=args_digest,
+                      request_id=request_id(tool, args_digest), now=now)
     if conn.execute(HOLD, params).fetchone() is None:
         return None
     rule, answer, expires_in, approval = conn.execute(DECIDE, params).fetchone()
@@ -96,9 +99,9 @@ def decide(conn, user: str, holder: str, gen: int, tool: str, args_digest: str,
 
 
 SET_USER = f"""
-INSERT INTO policies AS p (user_id, tool, answer, ask_expires_in, updated_at, updated_by)
-VALUES (%(user)s, %(tool)s, %(answer)s, %(ask_expires_in)s, {NOW}, %(actor)s)
-    ON CONFLICT (user_id, tool) DO UPDATE
+INSERT INTO policies AS p (bucket, user_id, tool, answer, ask_expires_in, updated_at, updated_by)
+VALUES (%(bucket)s, %(user)s, %(tool)s, %(answer)s, %(ask_expires_in)s, {NOW}, %(actor)s)
+    ON CONFLICT ON CONSTRAINT pk_policies DO UPDATE
    SET answer = excluded.answer, ask_expires_in = excluded.ask_expires_in,
        updated_at = excluded.updated_at, updated_by = excluded.updated_by
 """
@@ -120,12 +123,15 @@ VALUES (%(tool)s, %(answer)s, %(ask_expires_in)s, {NOW}, %(actor)s)
 RETURNING 1
 """
 
-CLEAR_USER = "DELETE FROM policies p WHERE p.user_id = %(user)s AND p.tool = %(tool)s RETURNING 1"
+CLEAR_USER = """
+DELETE FROM policies p WHERE p.bucket = %(bucket)s AND p.user_id = %(user)s AND p.tool = %(tool)s
+RETURNING 1
+"""
 CLEAR_DEFAULT = "DELETE FROM default_policies d WHERE d.tool = %(tool)s RETURNING 1"
 
 LIST_USER = """
 SELECT p.tool, p.answer, p.ask_expires_in, p.updated_at, p.updated_by FROM policies p
- WHERE p.user_id = %(user)s ORDER BY p.tool
+ WHERE p.bucket = %(bucket)s AND p.user_id = %(user)s ORDER BY p.tool
 """
 LIST_DEFAULT = """
 SELECT d.tool, d.answer, d.ask_expires_in, d.updated_at, d.updated_by FROM default_policies d
@@ -134,13 +140,13 @@ SELECT d.tool, d.answer, d.ask_expires_in, d.updated_at, d.updated_by FROM defau
 
 DECISIONS = """
 SELECT d.at, d.tool, d.args_digest, d.answer, d.rule, d.holder, d.gen FROM permit_decisions d
- WHERE d.user_id = %(user)s ORDER BY d.id DESC LIMIT %(limit)s
+ WHERE d.bucket = %(bucket)s AND d.user_id = %(user)s ORDER BY d.id DESC LIMIT %(limit)s
 """
 
 # A rule's change, recorded with the rule it replaced (user '' for a default).
 RECORD_CHANGE = f"""
-INSERT INTO operator_actions (user_id, at, actor, action, detail)
-VALUES (%(user)s, {NOW}, %(actor)s, %(action)s, %(detail)s::jsonb)
+INSERT INTO operator_actions (bucket, user_id, at, actor, action, detail)
+VALUES (%(bucket)s, %(user)s, {NOW}, %(actor)s, %(action)s, %(detail)s::jsonb)
 """
 
 POLICY_COLUMNS = ("tool", "answer", "ask_expires_in", "updated_at", "updated_by")
@@ -148,7 +154,7 @@ POLICY_COLUMNS = ("tool", "answer", "ask_expires_in", "updated_at", "updated_by"
 
 def rules(conn, user: str | None) -> list[dict]:
     """A user's rules (None: the defaults), by tool."""
-    statement, params = (LIST_DEFAULT, {}) if user is None else (LIST_USER, {"user": user})
+    statement, params = (LIST_DEFAULT, {}) if user is None else (LIST_USER, user_key(user))
     return [dict(zip(POLICY_COLUMNS, row)) for row in conn.execute(statement, params).fetchall()]
 
 
@@ -156,8 +162,8 @@ def change(conn, user: str | None, tool: str, answer: str | None, ask_expires_in
            actor: str, now: int | None) -> bool:
     """Set (answer given) or clear (None) a rule, audited; False if a rule to
     clear did not exist."""
-    params = {"user": user, "tool": tool, "answer": answer, "ask_expires_in": ask_expires_in,
-              "actor": actor, "now": now}
+    params = user_key(user or "", tool=tool, answer=answer, ask_expires_in=ask_expires_in,
+                      actor=actor, now=now)
     before = [r for r in rules(conn, user) if r["tool"] == tool]
     if answer is None:
         if conn.execute(CLEAR_DEFAULT if user is None else CLEAR_USER, params).fetchone() is None:
@@ -167,7 +173,7 @@ def change(conn, user: str | None, tool: str, answer: str | None, ask_expires_in
     detail = {"scope": "default" if user is None else "user", "tool": tool,
               "previous": before[0]["answer"] if before else None, "answer": answer,
               "ask_expires_in": ask_expires_in if answer == "ask" else None}
-    conn.execute(RECORD_CHANGE, {**params, "user": user or "",
+    conn.execute(RECORD_CHANGE, {**params,
                                  "action": "policy_clear" if answer is None else "policy_set",
                                  "detail": json.dumps(detail)})
     return True
@@ -176,4 +182,4 @@ def change(conn, user: str | None, tool: str, answer: str | None, ask_expires_in
 def decisions(conn, user: str, limit: int) -> list[dict]:
     keys = ("at", "tool", "args_digest", "answer", "rule", "holder", "gen")
     return [dict(zip(keys, row))
-            for row in conn.execute(DECISIONS, {"user": user, "limit": limit}).fetchall()]
+            for row in conn.execute(DECISIONS, user_key(user, limit=limit)).fetchall()]

@@ -8,6 +8,7 @@ are kept unless asked for: they are what alerting reads. Work goes user by user
 """
 
 from agent_inbox.store.clock import NOW
+from agent_inbox.store.keys import users_key
 
 # Spans users (an operator's scan): the next chunk of users, in order.
 USERS_AFTER = """
@@ -20,7 +21,8 @@ SELECT user_id FROM leases WHERE user_id > %(after)s ORDER BY user_id LIMIT %(li
 DELETE_OLD = f"""
 WITH clock AS (SELECT {NOW} AS now)
 DELETE FROM events e USING clock
- WHERE e.user_id = ANY(%(users)s::text[]) AND e.status = ANY(%(statuses)s::text[])
+ WHERE e.bucket = ANY(%(buckets)s::int[]) AND e.user_id = ANY(%(users)s::text[])
+   AND e.status = ANY(%(statuses)s::text[])
    AND e.created_at < clock.now - greatest(%(older_than)s, %(window)s)
 """
 
@@ -29,7 +31,8 @@ COMPACT = f"""
 WITH clock AS (SELECT {NOW} AS now)
 UPDATE events e SET payload = '{{"pruned": true}}'::jsonb
   FROM clock
- WHERE e.user_id = ANY(%(users)s::text[]) AND e.status = ANY(%(statuses)s::text[])
+ WHERE e.bucket = ANY(%(buckets)s::int[]) AND e.user_id = ANY(%(users)s::text[])
+   AND e.status = ANY(%(statuses)s::text[])
    AND e.created_at < clock.now - %(older_than)s
    AND e.source <> 'approval'  -- the answer that stands is read from its payload
    AND e.payload <> '{{"pruned": true}}'::jsonb
@@ -43,7 +46,8 @@ UPDATE events e SET payload = '{{"pruned": true}}'::jsonb
 DELETE_OLD_STEPS = f"""
 WITH clock AS (SELECT {NOW} AS now)
 DELETE FROM steps s USING clock
- WHERE s.user_id = ANY(%(users)s::text[]) AND s.recorded_at < clock.now - %(older_than)s
+ WHERE s.bucket = ANY(%(buckets)s::int[]) AND s.user_id = ANY(%(users)s::text[])
+   AND s.recorded_at < clock.now - %(older_than)s
 """
 
 
@@ -55,8 +59,7 @@ def prune_users(conn, users: list[str], *, older_than: int, window: int, statuse
                 now: int | None) -> tuple[int, int]:
     """(deleted, compacted) for these users (on Citus, of one bucket), in the
     caller's transaction."""
-    params = {"users": users, "statuses": statuses, "older_than": older_than,
-              "window": window, "now": now}
+    params = users_key(users, statuses=statuses, older_than=older_than, window=window, now=now)
     deleted = conn.execute(DELETE_OLD, params).rowcount
     compacted = conn.execute(COMPACT, params).rowcount
     conn.execute(DELETE_OLD_STEPS, params)

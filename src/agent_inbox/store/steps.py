@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 from agent_inbox.store import lease
 from agent_inbox.store.clock import NOW
+from agent_inbox.store.keys import user_key, users_key
 
 
 @dataclass(frozen=True)
@@ -80,20 +81,20 @@ WITH clock AS (
                          %(occurrences)s::int[], %(results)s::text[])
                   AS r(user_id, holder, gen, events, position, name, occurrence, result)
 ), held AS (
-    SELECT l.user_id, l.gen FROM leases l, clock
-     WHERE l.user_id = ANY(%(users)s::text[])
+    SELECT l.bucket, l.user_id, l.gen FROM leases l, clock
+     WHERE l.bucket = ANY(%(buckets)s::int[]) AND l.user_id = ANY(%(users)s::text[])
        AND EXISTS (SELECT 1 FROM rec
                     WHERE rec.user_id = l.user_id
                       AND {lease.fenced("rec.holder", "rec.gen", "clock.now")})
      ORDER BY l.user_id
        FOR SHARE OF l
 )
-INSERT INTO steps (user_id, event_ids, position, name, occurrence, result, holder, gen,
+INSERT INTO steps (bucket, user_id, event_ids, position, name, occurrence, result, holder, gen,
                    recorded_at)
-SELECT r.user_id, string_to_array(r.events, ',')::bigint[], r.position, r.name, r.occurrence,
+SELECT h.bucket, r.user_id, string_to_array(r.events, ',')::bigint[], r.position, r.name, r.occurrence,
        r.result::jsonb, r.holder, r.gen, clock.now
   FROM rec r JOIN held h ON h.user_id = r.user_id AND h.gen = r.gen, clock
-    ON CONFLICT (user_id, event_ids, position) DO NOTHING
+    ON CONFLICT ON CONSTRAINT uq_steps_user_id_event_ids_position DO NOTHING
 RETURNING user_id, gen, position
 """
 
@@ -101,7 +102,8 @@ RETURNING user_id, gen, position
 def record(conn, records: list[StepRecord], now: int | None) -> set[tuple[str, int, int]]:
     """The (user, gen, position) of the records stored; the others were refused."""
     params = {"users": [], "holders": [], "gens": [], "events": [], "positions": [],
-              "names": [], "occurrences": [], "results": [], "now": now}
+              "names": [], "occurrences": [], "results": [], "now": now,
+              "buckets": users_key(r.user for r in records)["buckets"]}
     for r in records:
         for key, value in (("users", r.user), ("holders", r.holder), ("gens", r.gen),
                            ("events", events_key(r.event_ids)), ("positions", r.position),
@@ -116,7 +118,8 @@ def record(conn, records: list[StepRecord], now: int | None) -> set[tuple[str, i
 RECORDED = """
 SELECT k.n, s.position, s.name, s.occurrence, s.result
   FROM unnest(%(users)s::text[], %(events)s::text[]) WITH ORDINALITY AS k(user_id, events, n)
-  JOIN steps s ON s.user_id = k.user_id AND s.event_ids = string_to_array(k.events, ',')::bigint[]
+  JOIN steps s ON s.bucket = ANY(%(buckets)s::int[]) AND s.user_id = k.user_id
+               AND s.event_ids = string_to_array(k.events, ',')::bigint[]
  ORDER BY k.n, s.position
 """
 
@@ -124,8 +127,7 @@ SELECT k.n, s.position, s.name, s.occurrence, s.result
 def recorded(conn, runs: list[tuple[str, tuple[int, ...]]]) -> list[list[RecordedStep]]:
     """For each (user, event ids), the steps recorded for exactly those events."""
     answers: list[list[RecordedStep]] = [[] for _ in runs]
-    params = {"users": [user for user, _ in runs],
-              "events": [events_key(ids) for _, ids in runs]}
+    params = users_key([user for user, _ in runs], events=[events_key(ids) for _, ids in runs])
     for n, position, name, occurrence, result in conn.execute(RECORDED, params).fetchall():
         answers[n - 1].append(RecordedStep(position, name, occurrence, result))
     return answers
@@ -135,14 +137,15 @@ def recorded(conn, runs: list[tuple[str, tuple[int, ...]]]) -> list[list[Recorde
 # that shares an event with the run's (in the finish's transaction, after its
 # fence said yes). store/inbox.py's FINISH does the same as a CTE.
 FORGET = """
-DELETE FROM steps s WHERE s.user_id = %(user)s AND s.event_ids && %(ids)s::bigint[]
+DELETE FROM steps s
+ WHERE s.bucket = %(bucket)s AND s.user_id = %(user)s AND s.event_ids && %(ids)s::bigint[]
 """
 
 # Operator view: one user's records, by event set and place (the first `limit`).
 LIST = """
 SELECT s.position, s.name, s.occurrence, s.result, s.event_ids, s.holder, s.gen, s.recorded_at
   FROM steps s
- WHERE s.user_id = %(user)s
+ WHERE s.bucket = %(bucket)s AND s.user_id = %(user)s
  ORDER BY s.event_ids, s.position
  LIMIT %(limit)s
 """
@@ -151,4 +154,4 @@ SELECT s.position, s.name, s.occurrence, s.result, s.event_ids, s.holder, s.gen,
 def list_steps(conn, user: str, limit: int = 1000) -> list[RecordedStep]:
     return [RecordedStep(position, name, occurrence, result, tuple(ids), holder, gen, at)
             for position, name, occurrence, result, ids, holder, gen, at
-            in conn.execute(LIST, {"user": user, "limit": limit}).fetchall()]
+            in conn.execute(LIST, user_key(user, limit=limit)).fetchall()]

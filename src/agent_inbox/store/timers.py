@@ -26,16 +26,17 @@ from agent_inbox import cron, errors
 from agent_inbox.records import Timer
 from agent_inbox.store import inbox, notify
 from agent_inbox.store.clock import DB_CLOCK, NOW
+from agent_inbox.store.keys import user_key
 
 # Replacing a timer re-arms it; due is `base + delay`, base defaulting to the
 # database clock (request_approval's deadline is now + expires_in).
 UPSERT = f"""
-INSERT INTO timers (user_id, timer_id, due, every, cron, timezone, missed, catch_up_limit,
+INSERT INTO timers (bucket, user_id, timer_id, due, every, cron, timezone, missed, catch_up_limit,
                     payload, event_source, event_source_id)
-VALUES (%(user)s, %(timer_id)s, coalesce(%(base)s::bigint, {DB_CLOCK}) + %(delay)s,
+VALUES (%(bucket)s, %(user)s, %(timer_id)s, coalesce(%(base)s::bigint, {DB_CLOCK}) + %(delay)s,
         %(every)s, %(cron)s, %(timezone)s, %(missed)s, %(catch_up_limit)s,
         %(payload)s::jsonb, %(event_source)s, %(event_source_id)s)
-ON CONFLICT (user_id, timer_id) DO UPDATE
+ON CONFLICT ON CONSTRAINT pk_timers DO UPDATE
    SET due = excluded.due, every = excluded.every, cron = excluded.cron,
        timezone = excluded.timezone, missed = excluded.missed,
        catch_up_limit = excluded.catch_up_limit, payload = excluded.payload,
@@ -53,11 +54,10 @@ def upsert(conn, user: str, timer_id: str, *, base: int | None, delay: int, ever
            timezone: str | None = None, missed: str = "coalesce", catch_up_limit: int = 100) -> int:
     """Create or replace a timer; returns its due time."""
     source, source_id = key if key else (None, None)
-    params = {
-        "user": user, "timer_id": timer_id, "base": base, "delay": delay, "every": every,
-        "cron": cron, "timezone": timezone, "missed": missed, "catch_up_limit": catch_up_limit,
-        "payload": payload_json, "event_source": source, "event_source_id": source_id,
-    }
+    params = user_key(
+        user, timer_id=timer_id, base=base, delay=delay, every=every, cron=cron,
+        timezone=timezone, missed=missed, catch_up_limit=catch_up_limit, payload=payload_json,
+        event_source=source, event_source_id=source_id)
     due = conn.execute(UPSERT, params).fetchone()[0]
     conn.execute(TIMER_CHANGED)
     return due
@@ -96,7 +96,7 @@ def _fire_sql(pick: str) -> str:
     statement: the occurrences to emit (the latest, or with catch_up the latest
     catch_up_limit), their event inserts, and the timer's advance to the next
     time on its grid."""
-    ripe = _ripe("t.user_id, t.timer_id, t.due, t.every, t.missed, t.catch_up_limit, t.payload,"
+    ripe = _ripe("t.bucket, t.user_id, t.timer_id, t.due, t.every, t.missed, t.catch_up_limit, t.payload,"
                  " t.event_source, t.event_source_id", "NULL", pick)
     return f"""
 WITH clock AS (
@@ -114,8 +114,8 @@ WITH clock AS (
            0, CASE WHEN l.missed = 'catch_up' THEN least(l.skipped, l.catch_up_limit - 1)
                    ELSE 0 END) AS k
 ), inserted AS (
-    INSERT INTO events (user_id, source, source_id, payload)
-    SELECT user_id,
+    INSERT INTO events (bucket, user_id, source, source_id, payload)
+    SELECT bucket, user_id,
            coalesce(event_source, 'timer'),
            coalesce(event_source_id, timer_id || '@' || at),
            payload || CASE WHEN missed = 'coalesce'
@@ -127,13 +127,13 @@ WITH clock AS (
                       END
       FROM occurrence
      ORDER BY user_id, at, timer_id
-        ON CONFLICT (user_id, source, source_id) DO NOTHING
+        ON CONFLICT ON CONSTRAINT uq_events_user_id_source_source_id DO NOTHING
 ), advanced AS (
     UPDATE timers t
        SET due = CASE WHEN l.every IS NULL THEN t.due ELSE l.due + (l.skipped + 1) * l.every END,
            done = l.every IS NULL
       FROM latest l
-     WHERE t.user_id = l.user_id AND t.timer_id = l.timer_id
+     WHERE t.bucket = l.bucket AND t.user_id = l.user_id AND t.timer_id = l.timer_id
 )
 SELECT count(*),
        coalesce(sum(CASE WHEN missed = 'coalesce' THEN skipped
@@ -146,7 +146,8 @@ SELECT count(*),
 # timers, oldest first, set-based.
 FIRE_DUE = _fire_sql(_OLDEST)
 # The same for one timer: a batch whose FIRE_DUE failed goes again row by row.
-FIRE_ONE = _fire_sql("AND t.user_id = %(user)s AND t.timer_id = %(timer_id)s")
+FIRE_ONE = _fire_sql("AND t.bucket = %(bucket)s AND t.user_id = %(user)s"
+                     " AND t.timer_id = %(timer_id)s")
 # Spans users: the timers FIRE_DUE would take, locked.
 RIPE_ONE_OFF = f"WITH clock AS (SELECT {NOW} AS now)\n" + _ripe("t.user_id, t.timer_id", "NULL")
 
@@ -154,14 +155,14 @@ PARK = f"""
 WITH clock AS (SELECT {NOW} AS now)
 UPDATE timers SET done = true, parked_at = clock.now, error = %(error)s
   FROM clock
- WHERE user_id = %(user)s AND timer_id = %(timer_id)s
+ WHERE bucket = %(bucket)s AND user_id = %(user)s AND timer_id = %(timer_id)s
 """
 
 
 def park(conn, now: int | None, user: str, timer_id: str, exc: Exception) -> tuple[str, str, str]:
     """Park a timer the caller holds locked, with what `exc` says."""
     error = f"{type(exc).__name__}: {exc}"
-    conn.execute(PARK, {"now": now, "user": user, "timer_id": timer_id, "error": error})
+    conn.execute(PARK, user_key(user, now=now, timer_id=timer_id, error=error))
     return user, timer_id, error
 
 
@@ -183,7 +184,7 @@ def fire_due_batch(conn, now: int | None, limit: int) -> Batch:
     fired = skipped = 0
     parked = []
     for user, timer_id in conn.execute(RIPE_ONE_OFF, {"now": now, "limit": limit}).fetchall():
-        params = {"now": now, "user": user, "timer_id": timer_id}
+        params = user_key(user, now=now, timer_id=timer_id)
         try:
             with conn.transaction():
                 one_fired, one_skipped = conn.execute(FIRE_ONE, params).fetchone()
@@ -204,10 +205,12 @@ RIPE_COLUMNS = ("t.user_id, t.timer_id, t.due, t.every, t.cron, t.timezone, t.mi
 RIPE_CRON = f"WITH clock AS (SELECT {NOW} AS now)\n" + _ripe(RIPE_COLUMNS, "NOT NULL")
 
 ADVANCE_CRON = """
-UPDATE timers SET due = %(due)s WHERE user_id = %(user)s AND timer_id = %(timer_id)s
+UPDATE timers SET due = %(due)s
+ WHERE bucket = %(bucket)s AND user_id = %(user)s AND timer_id = %(timer_id)s
 """
 ADVANCE = """
-UPDATE timers SET due = %(due)s, done = %(done)s WHERE user_id = %(user)s AND timer_id = %(timer_id)s
+UPDATE timers SET due = %(due)s, done = %(done)s
+ WHERE bucket = %(bucket)s AND user_id = %(user)s AND timer_id = %(timer_id)s
 """
 
 
@@ -245,8 +248,7 @@ def fire_cron(conn, user, timer_id, due, expression, zone, missed, cap, payload,
             body.update(skipped=0, overflow=total - len(emitted))
         rows.append((user, "timer", f"{timer_id}@{at}", json.dumps(body), None))
     inbox.insert_many(conn, rows)
-    conn.execute(ADVANCE_CRON, {"user": user, "timer_id": timer_id,
-                                "due": schedule.next_after(now_db)})
+    conn.execute(ADVANCE_CRON, user_key(user, timer_id=timer_id, due=schedule.next_after(now_db)))
     return total - len(emitted)
 
 
@@ -268,8 +270,8 @@ def fire_every(conn, user, timer_id, due, every, missed, cap, payload, event_sou
         rows.append((user, event_source or "timer", event_source_id or f"{timer_id}@{at}",
                      json.dumps(body), None))
     inbox.insert_many(conn, rows)
-    conn.execute(ADVANCE, {"user": user, "timer_id": timer_id, "done": every is None,
-                           "due": due if every is None else due + (skipped + 1) * every})
+    conn.execute(ADVANCE, user_key(user, timer_id=timer_id, done=every is None,
+                                   due=due if every is None else due + (skipped + 1) * every))
     return skipped if missed == "coalesce" else max(0, skipped + 1 - cap)
 
 
