@@ -60,6 +60,7 @@ import psycopg
 from agent_inbox import Inbox, horizon, migrate, pgserver
 from agent_inbox.records import ClaimPolicy
 from agent_inbox.store import inbox as inbox_sql, lease as lease_sql, wake_rings
+from agent_inbox.store.keys import users_key
 from bench import records
 from bench.common import RESULTS, Workers, percentile, src_fingerprint, stop_processes
 
@@ -265,7 +266,7 @@ def explain_run_path(url: str, side: str, at_start: dict, path: str) -> None:
             plan = conn.execute(EXPLAIN + inbox_sql.CLAIM, claim).fetchall()
             lines += [f"-- CLAIM (user {user}, after a take claimed {len(events)})",
                       *(r[0] for r in plan)]
-            conn.execute(lease_sql.LOCK_MANY, {"users": [user]})
+            conn.execute(lease_sql.LOCK_MANY, users_key([user]))
             finish = inbox_sql.Finish(user, "soak-explain-1", gen, [e.id for e in events], [], None)
             plan = inbox_sql.send_finish(Explaining(conn), [finish], None, release=True).fetchall()
             lines += [f"-- FINISH with release ({len(events)} events)", *(r[0] for r in plan)]

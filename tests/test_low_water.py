@@ -19,6 +19,7 @@ from agent_inbox import Result
 from agent_inbox.records import ClaimPolicy
 from agent_inbox.store import inbox as store_inbox, wake_rings
 from agent_inbox.store import lease
+from agent_inbox.store.keys import users_key
 
 T = 1_000_000
 TTL = 30
@@ -153,7 +154,7 @@ def test_under_a_held_horizon_a_run_reads_past_none_of_its_users_finished_events
                     conn, "H", TTL, policy, T, wake_rings.Given())
                 assert [e.source_id for e in events] == ["last"]
                 took = index_reads(conn, "ix_events_open")
-                conn.execute(lease.LOCK_MANY, {"users": ["u"]})
+                conn.execute(lease.LOCK_MANY, users_key(["u"]))
                 finish = store_inbox.Finish("u", "H", gen, [e.id for e in events], [], None)
                 assert store_inbox.finish(conn, [finish], T, release=True) == [True]
                 reads[mark] = (took, index_reads(conn, "ix_events_open") - took)
