@@ -48,6 +48,7 @@ import psycopg
 from psycopg import conninfo
 
 from agent_inbox import Inbox, citus, migrate, pgserver
+from agent_inbox.store import keys
 from bench import workloads
 from bench.common import (RESULTS, open_count_query, poll_connection, resources,
                           server_cpu_seconds, src_fingerprint)
@@ -400,7 +401,7 @@ def main(argv=None) -> int:
         nodes={name: side.node_names for name, side in sides.items()},
         settings={"plain": STATS, "citus": {**pgserver.CITUS_SETTINGS, **CITUS_STATS},
                   "direct": "citus's, with the W1 workers at --citus-nodes direct",
-                  "buckets": citus.BUCKETS},
+                  "buckets": keys.BUCKETS},
         poll_cpu_per_s={name: dict(zip(side.node_names, side.poll_cpu_per_s))
                         for name, side in sides.items()},
         top_statements={key: {name: top_statements(runs[-1]["window" if key == "w1" else "profile"],

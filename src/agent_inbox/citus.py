@@ -46,8 +46,7 @@ from psycopg.conninfo import make_conninfo
 from agent_inbox import db, errors
 from agent_inbox.store import notify
 from agent_inbox.store.clock import DB_CLOCK
-from agent_inbox.store import keys
-from agent_inbox.store.keys import BUCKETS, bucket, user_key  # noqa: F401  (citus.bucket: its callers' name)
+from agent_inbox.store.keys import BUCKET_FUNCTION, BUCKETS, bucket, user_key
 
 log = logging.getLogger("agent_inbox.citus")
 
@@ -482,7 +481,7 @@ def distribute(url: str, *, shard_count: int = 32) -> bool:
                     conn.execute("SELECT create_reference_table(%s)", (table,))
             return delegated.install(conn) or bool(added or shared)
         with conn.transaction():
-            conn.execute(keys.BUCKET_FUNCTION)
+            conn.execute(BUCKET_FUNCTION)
             conn.execute("DROP TRIGGER IF EXISTS events_inserted ON events")
             _one_wakes_table(conn)
             _add_buckets(conn, user_tables)

@@ -28,7 +28,7 @@ metadata = sa.MetaData(naming_convention=NAMING_CONVENTION)
 
 
 def bucket_column() -> sa.Column:
-    """`agent_inbox_bucket(user_id)`, 0 to 63 (migration 0012; `citus.bucket`
+    """`agent_inbox_bucket(user_id)`, 0 to 63 (migration 0012; `store/keys.py`
     in Python): Citus's distribution column. Statements about one user name it
     with the user (`bucket = %(bucket)s AND user_id = %(user)s`), so one text
     serves both backends; a row inserted without it gets it from the table's

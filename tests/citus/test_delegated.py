@@ -15,6 +15,7 @@ import pytest
 
 from agent_inbox import Inbox, Result, TimerRequest, citus, errors, revision
 from agent_inbox.store import delegated
+from agent_inbox.store import keys
 
 
 def remote_commands(url: str, call) -> list[str]:
@@ -31,7 +32,7 @@ def remote_commands(url: str, call) -> list[str]:
 
 def users_in_bucket(bucket: int, count: int) -> list[str]:
     """The first `count` of u0, u1, ... whose bucket is `bucket`."""
-    return [u for u in (f"u{n}" for n in range(3000)) if citus.bucket(u) == bucket][:count]
+    return [u for u in (f"u{n}" for n in range(3000)) if keys.bucket(u) == bucket][:count]
 
 
 def node_url(database_url: str, bucket: int) -> str:
@@ -44,11 +45,11 @@ def node_url(database_url: str, bucket: int) -> str:
 
 
 def test_a_take_and_a_finish_are_one_call_each_on_the_buckets_node(database_url, inbox):
-    users = users_in_bucket(citus.bucket("u0"), 3)
+    users = users_in_bucket(keys.bucket("u0"), 3)
     inbox.ingest_many([(user, "chat", "1", {}) for user in users])
     taken = []
     take = remote_commands(database_url, lambda conn: taken.extend(delegated.take(
-        conn, citus.bucket("u0"), "w", 60, inbox.policy, None, 10)))
+        conn, keys.bucket("u0"), "w", 60, inbox.policy, None, 10)))
     assert sorted(user for user, *_ in taken) == sorted(users)
     assert len(take) == 1 and "agent_inbox_take(" in take[0], take
     first, second, _ = sorted(inbox._as_runs("w", taken), key=lambda run: run.user)
@@ -132,7 +133,7 @@ def test_on_the_buckets_node_a_warm_take_plans_nothing_per_user_and_a_finish_not
     (store/delegated.py's docstring). A statement with a CTE over two tables
     would be router-planned on every call, in the take's claim once per user
     taken."""
-    bucket = citus.bucket("u0")
+    bucket = keys.bucket("u0")
     users = users_in_bucket(bucket, 4)
     with psycopg.connect(node_url(database_url, bucket), autocommit=True) as conn:
         def take_and_finish(take_users: list[str], round_: int) -> tuple[int, int]:
@@ -172,7 +173,7 @@ def test_a_take_that_reads_past_a_wake_it_cannot_take_moves_that_wake(database_u
     read past it (STALE): the wake moves to the lease's end and the user PICK
     could take behind it is taken. Without STALE the due wake would stay and
     every take of the bucket would read past it again."""
-    bucket = citus.bucket("u0")
+    bucket = keys.bucket("u0")
     held, free = users_in_bucket(bucket, 2)
     inbox.ingest(held, "chat", "1", {})
     with psycopg.connect(database_url, autocommit=True) as conn:
@@ -199,7 +200,7 @@ def test_one_take_claims_several_users_each_run_with_its_own_counts(database_url
     run still gets its own events, generation and counts (an event whose
     attempts are spent dies in its own user's run, an event a crashed run left
     running comes back as that user's unfinished one)."""
-    bucket = citus.bucket("u0")
+    bucket = keys.bucket("u0")
     crashed, poisoned, fresh = users_in_bucket(bucket, 3)
     inbox.ingest(crashed, "chat", "1", {})
     with psycopg.connect(database_url, autocommit=True) as conn:
@@ -230,7 +231,7 @@ def test_a_finish_naming_an_event_its_run_does_not_hold_is_refused_on_every_path
     the node, through the coordinator with messages (a transaction of the
     finish's own) and in a caller's transaction (RefusedInTransaction); one
     naming none it holds is refused without an error."""
-    bucket = citus.bucket("u0")
+    bucket = keys.bucket("u0")
     user = "u0"
     inbox.ingest_many([(user, "chat", str(n), {}) for n in range(2)])
     with psycopg.connect(database_url, autocommit=True) as conn:
@@ -272,7 +273,7 @@ def test_a_node_session_keeps_no_plan_per_call(database_url, inbox):
     list, empty under deferred pruning), so a node's session grew by about
     0.7 MB a run, for as long as it lived. Here the session's cached plans
     stay the size they were after warming up."""
-    bucket = citus.bucket("u0")
+    bucket = keys.bucket("u0")
     users = users_in_bucket(bucket, 4)
     cached = ("SELECT coalesce(sum(total_bytes), 0) FROM pg_backend_memory_contexts"
               " WHERE name = 'CachedPlan'")

@@ -12,6 +12,7 @@ import psycopg
 import pytest
 
 from agent_inbox import Inbox, Result, citus, errors
+from agent_inbox.store import keys
 
 APP = "agent-inbox-direct-test"
 
@@ -34,7 +35,7 @@ def users_on_every_node(url: str, per_node: int) -> list[str]:
         groups = citus.NodeMap().groups(conn)
     users = []
     for group in groups:
-        users += [u for u in (f"u{n}" for n in range(5000)) if citus.bucket(u) in group][:per_node]
+        users += [u for u in (f"u{n}" for n in range(5000)) if keys.bucket(u) in group][:per_node]
     return users
 
 

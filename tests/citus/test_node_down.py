@@ -19,12 +19,13 @@ import psycopg
 import pytest
 
 from agent_inbox import Inbox, Result, citus, errors
+from agent_inbox.store import keys
 from tests.citus.support import started_cluster
 from tests.runtime.support import ROOT, stop_all, wait_until, worker_args
 
 NODE_BUCKETS = f"""
 SELECT n.nodeport, array_agg(b ORDER BY b)
-  FROM generate_series(0, {citus.BUCKETS - 1}) b
+  FROM generate_series(0, {keys.BUCKETS - 1}) b
   JOIN pg_dist_placement p ON p.shardid = get_shard_id_for_distribution_column('leases', b)
   JOIN pg_dist_node n ON n.groupid = p.groupid
  GROUP BY n.nodeport
@@ -69,7 +70,7 @@ def users_by_node(url, cluster, count):
     names = (f"user-{n}" for n in range(10_000))
     live, down = [], []
     for name in names:
-        group = live if citus.bucket(name) in first else down
+        group = live if keys.bucket(name) in first else down
         if len(group) < count:
             group.append(name)
         if len(live) == len(down) == count:
@@ -79,11 +80,11 @@ def users_by_node(url, cluster, count):
 def test_the_node_map_agrees_with_citus_on_every_bucket(url):
     with psycopg.connect(url, autocommit=True) as conn:
         by_citus = dict(conn.execute(
-            f"""SELECT b, p.groupid FROM generate_series(0, {citus.BUCKETS - 1}) b
+            f"""SELECT b, p.groupid FROM generate_series(0, {keys.BUCKETS - 1}) b
                   JOIN pg_dist_placement p
                     ON p.shardid = get_shard_id_for_distribution_column('leases', b)""").fetchall())
         groups = citus.NodeMap().groups(conn)
-    assert sorted(b for group in groups for b in group) == list(range(citus.BUCKETS))
+    assert sorted(b for group in groups for b in group) == list(range(keys.BUCKETS))
     assert len(groups) == 2
     for group in groups:
         assert len({by_citus[b] for b in group}) == 1, group
@@ -161,7 +162,7 @@ def test_a_worker_serves_the_live_node_while_the_other_is_down(url, cluster, tmp
         wait_until(lambda: done_in(url, live_buckets) == 2 * len(live),
                    "the live node's new work to be done", timeout=60)
         cluster.workers[1].start()
-        wait_until(lambda: done_in(url, list(range(citus.BUCKETS))) == 2 * len(live) + len(down),
+        wait_until(lambda: done_in(url, list(range(keys.BUCKETS))) == 2 * len(live) + len(down),
                    "the stopped node's runs to commit once it is back", timeout=60)
     finally:
         stop_all([worker], kill=lambda process: os.killpg(process.pid, signal.SIGKILL))

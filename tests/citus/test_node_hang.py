@@ -23,10 +23,11 @@ import time
 import psycopg
 import pytest
 
-from agent_inbox import Inbox, Result, citus, errors, pgserver
+from agent_inbox import Inbox, Result, errors, pgserver
 from agent_inbox.permissions import PermitAsk
 from agent_inbox.store import policies
 from agent_inbox.store.steps import StepRecord
+from agent_inbox.store import keys
 from tests.citus.support import started_cluster
 from tests.citus.test_node_down import done_in, users_by_node
 from tests.runtime.support import ROOT, stop_all, wait_until, worker_args
@@ -229,7 +230,7 @@ def test_a_worker_serves_the_live_node_while_the_other_hangs(url, cluster, tmp_p
                        "the live node's new work to be done", timeout=BOUND)
             served = time.monotonic() - began
             time.sleep(max(0.0, HANG - served))
-        wait_until(lambda: done_in(url, list(range(citus.BUCKETS))) == 2 * len(live) + len(stuck),
+        wait_until(lambda: done_in(url, list(range(keys.BUCKETS))) == 2 * len(live) + len(stuck),
                    "the hung node's runs to commit once it answers", timeout=60)
     finally:
         stop_all([worker], kill=lambda process: os.killpg(process.pid, signal.SIGKILL))

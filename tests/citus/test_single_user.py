@@ -3,7 +3,8 @@ code), acquire, claim, finish, the operator's view; and the layout itself."""
 
 import psycopg
 
-from agent_inbox import Result, citus
+from agent_inbox import Result
+from agent_inbox.store import keys
 
 
 def test_ingest_acquire_claim_finish(inbox):
@@ -55,7 +56,7 @@ def test_ingest_creates_the_lease_and_the_wake(inbox, database_url):
     with psycopg.connect(database_url) as conn:
         lease = conn.execute("SELECT bucket, holder, gen FROM leases WHERE user_id = 'bob'").fetchone()
         wakes = conn.execute("SELECT count(*) FROM wakes WHERE user_id = 'bob'").fetchone()[0]
-    assert lease == (citus.bucket("bob"), "", 0) and wakes == 1
+    assert lease == (keys.bucket("bob"), "", 0) and wakes == 1
 
 
 def test_buckets_agree_with_sql(database_url):
@@ -63,4 +64,4 @@ def test_buckets_agree_with_sql(database_url):
     with psycopg.connect(database_url) as conn:
         in_sql = conn.execute("SELECT agent_inbox_bucket(u) FROM unnest(%s::text[]) u",
                               (users,)).fetchall()
-    assert [b for b, in in_sql] == [citus.bucket(u) for u in users]
+    assert [b for b, in in_sql] == [keys.bucket(u) for u in users]

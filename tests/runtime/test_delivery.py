@@ -14,6 +14,7 @@ import pytest
 from agent_inbox import Message, PermanentSendError, Result, citus
 from agent_inbox.dispatcher import Dispatcher
 from agent_inbox.store import bucketed, outbox
+from agent_inbox.store import keys
 from tests.races import Racers, wait_for_lock_waiters
 from tests.runtime.support import ROOT
 
@@ -159,7 +160,7 @@ def lock_due_as_a_dispatcher(conn, user, now):
     """A dispatcher's first claim step, as the Inbox sends it (on Citus: in the
     user's bucket)."""
     if citus.is_distributed(conn):
-        return bucketed.lock_due_deliveries(conn, citus.bucket(user), 10, now)
+        return bucketed.lock_due_deliveries(conn, keys.bucket(user), 10, now)
     return outbox.lock_due(conn, 10, now)
 
 

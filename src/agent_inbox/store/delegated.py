@@ -74,7 +74,7 @@ import psycopg
 
 from agent_inbox import citus
 from agent_inbox.records import ClaimPolicy, Event
-from agent_inbox.store import bucketed, lease, memory, notify, steps
+from agent_inbox.store import bucketed, keys, lease, memory, notify, steps
 from agent_inbox.store.clock import DB_CLOCK, NOW
 from agent_inbox.store.inbox import (CLAIM_PLAN, CLAIM_RANKS, EVENT_COLUMNS, OPEN, Finish, claim_set,
                                     open_to_claim)
@@ -458,12 +458,12 @@ def finish(conn, f: Finish, now: int | None, *, release: bool) -> bool:
     try:
         with contextlib.nullcontext() if in_caller or not queued else conn.transaction():
             [ok] = conn.execute(FINISH_CALL, (
-                citus.bucket(f.user), f.user, f.holder, f.gen, list(f.ids), f.error,
+                keys.bucket(f.user), f.user, f.holder, f.gen, list(f.ids), f.error,
                 f.forget_steps, f.memory is not None,
                 f.memory[0] if f.memory is not None else None, queued, release,
                 now)).fetchone()
             if ok and queued:
-                params = {"bucket": citus.bucket(f.user), "user": f.user, "now": now,
+                params = {"bucket": keys.bucket(f.user), "user": f.user, "now": now,
                           "traceparent": f.traceparent}
                 for body, urgent in f.messages:
                     conn.execute(bucketed.QUEUE, {**params, "body": body, "urgent": urgent})
