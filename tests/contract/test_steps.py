@@ -11,6 +11,7 @@ import psycopg
 import pytest
 
 from agent_inbox import Result, errors
+from agent_inbox.store import keys
 from tests.contract.test_concurrency import race_behind
 
 
@@ -223,14 +224,13 @@ def test_a_requeued_dead_event_starts_with_no_steps(make_inbox, database_url):
     assert inbox.context(run).step_sync("tool", lambda: "again") == "again"
 
 
-@pytest.mark.skip_backend("citus", reason=(
-    "the test inserts a steps row by hand, without the bucket Citus distributes it by: Citus "
-    "refuses it before the CHECK is reached (the same migration's CHECKs on every backend)"))
 def test_the_steps_table_refuses_what_the_code_never_writes(database_url):
     with psycopg.connect(database_url, autocommit=True) as conn:
         with pytest.raises(psycopg.errors.CheckViolation):
-            conn.execute("INSERT INTO steps (user_id, event_ids, position, name, occurrence,"
-                         " result, holder, gen) VALUES ('x', '{1}', 0, 'n', 1, '1', 'h', 1)")
+            conn.execute("INSERT INTO steps (bucket, user_id, event_ids, position, name,"
+                         " occurrence, result, holder, gen)"
+                         " VALUES (%(bucket)s, %(user)s, '{1}', 0, 'n', 1, '1', 'h', 1)",
+                         keys.user_key("x"))
 
 
 def test_steps_started_together_replay_by_position_when_one_was_not_recorded(inbox):
