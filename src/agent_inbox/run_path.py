@@ -30,9 +30,9 @@ from typing import Any, Protocol
 
 from agent_inbox import citus, db, errors
 from agent_inbox.records import ClaimPolicy
-from agent_inbox.store import (admin, approvals, bucketed, compaction, delegated, inbox, keys, lease,
+from agent_inbox.store import (admin, approvals, bucketed, compaction, delegated, inbox, lease,
                                outbox, steps, timers, wake_rings)
-from agent_inbox.store.keys import user_key, users_key
+from agent_inbox.store.keys import bucket as bucket_of, user_key, users_key
 
 # Why a call left a node's users alone without asking it (citus.NodeMap.hung).
 HUNG = "their worker node timed out a moment ago (set aside for a while)"
@@ -343,7 +343,7 @@ class PerBucket:
         renewed, unknown, failures = set(), set(), []
         with db.Connections(self._pool) as conns:
             for group in self.groups(keys, lambda key: key[0]):
-                bucket = keys.bucket(group[0][0])
+                bucket = bucket_of(group[0][0])
                 conn = conns.get()  # another if a hung node's statement was cut
                 if self._nodes.hung(bucket):  # its node timed out a moment ago: not waited for
                     unknown.update(group)
@@ -372,7 +372,7 @@ class PerBucket:
     def finish_one(self, finish, now):
         if self._goes_direct(finish, writes_timers=False):
             failures: list[Exception] = []
-            accepted = self._on_node(None, keys.bucket(finish.user), failures, lambda node:
+            accepted = self._on_node(None, bucket_of(finish.user), failures, lambda node:
                                      delegated.finish(node, finish, now, release=False))
             if failures:
                 with db.translated():  # as a finish through the coordinator would raise it
@@ -399,7 +399,7 @@ class PerBucket:
         failures: list[Exception] = []
         with db.Connections(self._pool) as conns:
             for i, finish in enumerate(finishes):
-                bucket = keys.bucket(finish.user)
+                bucket = bucket_of(finish.user)
                 if self._nodes.hung(bucket):  # its node timed out a moment ago: not waited for
                     flags.append(None)
                     continue
@@ -433,7 +433,7 @@ class PerBucket:
         failures: list[Exception] = []
         with db.Connections(self._pool) as conns:
             for group in self.groups(list(range(len(items))), lambda i: user_of(items[i])):
-                bucket = keys.bucket(user_of(items[group[0]]))
+                bucket = bucket_of(user_of(items[group[0]]))
                 conn = conns.get()  # another if a hung node's statement was cut
                 if self._nodes.hung(bucket):
                     undone.update(group)

@@ -53,7 +53,7 @@ here is about one bucket, on one node.
 import json
 
 from agent_inbox import citus
-from agent_inbox.store import approvals, inbox, keys, lease, notify, steps, timers
+from agent_inbox.store import approvals, inbox, lease, notify, steps, timers
 from agent_inbox.store.clock import DB_CLOCK, NOW
 from agent_inbox.store.inbox import LOOK
 from agent_inbox.store.keys import user_key
@@ -277,8 +277,7 @@ UPDATE events e
 
 
 def _expire(conn, user: str, holder: str, gen: int, now: int | None) -> dict | None:
-    params = {"bucket": keys.bucket(user), "user": user, "holder": holder, "gen": gen,
-              "now": now}
+    params = user_key(user, holder=holder, gen=gen, now=now)
     row = conn.execute(EXPIRE, params).fetchone()
     return None if row is None else {**params, "at": row[0]}
 
@@ -351,7 +350,7 @@ def repair_dead(conn, pairs: list[tuple[str, int]], *, requeue: bool, actor: str
         ids_of.setdefault(user, []).append(event_id)
     done = []
     for user in sorted(ids_of):
-        params = {"bucket": keys.bucket(user), "user": user, "ids": ids_of[user]}
+        params = user_key(user, ids=ids_of[user])
         dead = conn.execute(DEAD_ROWS, params).fetchall()
         if not dead:
             continue

@@ -74,10 +74,11 @@ import psycopg
 
 from agent_inbox import citus
 from agent_inbox.records import ClaimPolicy, Event
-from agent_inbox.store import bucketed, keys, lease, memory, notify, steps
+from agent_inbox.store import bucketed, lease, memory, notify, steps
 from agent_inbox.store.clock import DB_CLOCK, NOW
 from agent_inbox.store.inbox import (CLAIM_PLAN, CLAIM_RANKS, EVENT_COLUMNS, OPEN, Finish, claim_set,
                                     open_to_claim)
+from agent_inbox.store.keys import bucket as bucket_of, user_key
 
 _PARAM = re.compile(r"%\((\w+)\)s")
 
@@ -458,13 +459,12 @@ def finish(conn, f: Finish, now: int | None, *, release: bool) -> bool:
     try:
         with contextlib.nullcontext() if in_caller or not queued else conn.transaction():
             [ok] = conn.execute(FINISH_CALL, (
-                keys.bucket(f.user), f.user, f.holder, f.gen, list(f.ids), f.error,
+                bucket_of(f.user), f.user, f.holder, f.gen, list(f.ids), f.error,
                 f.forget_steps, f.memory is not None,
                 f.memory[0] if f.memory is not None else None, queued, release,
                 now)).fetchone()
             if ok and queued:
-                params = {"bucket": keys.bucket(f.user), "user": f.user, "now": now,
-                          "traceparent": f.traceparent}
+                params = user_key(f.user, now=now, traceparent=f.traceparent)
                 for body, urgent in f.messages:
                     conn.execute(bucketed.QUEUE, {**params, "body": body, "urgent": urgent})
                 conn.execute(f"SELECT pg_notify('{notify.OUTBOX}', '')")
