@@ -46,7 +46,8 @@ def insert(conn, user: str, source: str, source_id: str, payload_json: str,
 # orders, which the caller retries).
 INSERT_MANY = """
 INSERT INTO events (bucket, user_id, source, source_id, payload, kind, traceparent)
-SELECT agent_inbox_bucket(b.user_id), b.user_id, b.source, b.source_id, b.payload::jsonb, b.kind, b.traceparent
+SELECT agent_inbox_bucket(b.user_id), b.user_id, b.source, b.source_id, b.payload::jsonb, b.kind,
+       b.traceparent
   FROM unnest(%(users)s::text[], %(sources)s::text[], %(source_ids)s::text[], %(payloads)s::text[],
               %(kinds)s::text[], %(traceparents)s::text[])
        WITH ORDINALITY AS b(user_id, source, source_id, payload, kind, traceparent, n)
@@ -218,7 +219,8 @@ WITH run AS (
     SELECT l.user_id, l.gen, clock.now,
            {low_water("l.user_id", rings=None, bucket="%(bucket)s")} AS from_id
       FROM leases l, (SELECT {NOW} AS now) clock
-     WHERE l.bucket = %(bucket)s AND l.user_id = %(user)s AND {lease.fenced("%(holder)s", "%(gen)s", "clock.now")}
+     WHERE l.bucket = %(bucket)s AND l.user_id = %(user)s
+       AND {lease.fenced("%(holder)s", "%(gen)s", "clock.now")}
 ), {claim_steps(bucket="%(bucket)s")}
 SELECT * FROM claimed ORDER BY id
 """
@@ -513,7 +515,8 @@ WITH clock AS (
     DELETE FROM memory m USING recalled r WHERE r.doc IS NULL AND m.user_id = r.user_id
 ), queued AS (
     INSERT INTO outbox (bucket, user_id, body, urgent, created, traceparent)
-    SELECT agent_inbox_bucket(verdict.user_id), verdict.user_id, m.body, m.urgent, clock.now, verdict.traceparent
+    SELECT agent_inbox_bucket(verdict.user_id), verdict.user_id, m.body, m.urgent, clock.now,
+           verdict.traceparent
       FROM unnest(%(message_runs)s::bigint[], %(bodies)s::text[], %(urgent)s::boolean[])
            WITH ORDINALITY AS m(n, body, urgent, k)
       JOIN verdict ON verdict.n = m.n, clock
@@ -552,7 +555,8 @@ WITH clock AS (
        AND w.ring IN ({wake_rings.LIVE})
 ), woke AS (
     INSERT INTO wakes (bucket, user_id, at)
-    SELECT agent_inbox_bucket(verdict.user_id), verdict.user_id, clock.now FROM verdict JOIN left_open ON left_open.n = verdict.n, clock
+    SELECT agent_inbox_bucket(verdict.user_id), verdict.user_id, clock.now
+      FROM verdict JOIN left_open ON left_open.n = verdict.n, clock
      WHERE left_open.first IS NOT NULL
 )
 SELECT ok, CASE WHEN n = 1 AND EXISTS (SELECT 1 FROM queued)

@@ -95,7 +95,8 @@ WITH clock AS (
 ), held AS (
     SELECT l.bucket, l.user_id, l.gen
       FROM leases l, clock, unnest(%(users)s::text[], %(gens)s::bigint[]) AS k(user_id, gen)
-     WHERE l.bucket = ANY(%(buckets)s::int[]) AND l.user_id = k.user_id AND {fenced("%(holder)s", "k.gen", "clock.now")}
+     WHERE l.bucket = ANY(%(buckets)s::int[]) AND l.user_id = k.user_id
+       AND {fenced("%(holder)s", "k.gen", "clock.now")}
      ORDER BY l.user_id
        FOR UPDATE OF l
 )"""

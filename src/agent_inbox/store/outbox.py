@@ -97,7 +97,8 @@ WITH clock AS (
 ), written_down AS (
     UPDATE outbox o SET batch = v.first_held
       FROM verdict v JOIN held h ON h.user_id = v.user_id
-     WHERE v.verdict = 'send' AND o.bucket = ANY(%(buckets)s::int[]) AND o.user_id = h.user_id AND o.id = h.id
+     WHERE v.verdict = 'send'
+       AND o.bucket = ANY(%(buckets)s::int[]) AND o.user_id = h.user_id AND o.id = h.id
 ), claimed AS (  -- searched CASEs: Citus deparses `CASE x WHEN ...` in an UPDATE wrongly
     UPDATE deliveries d
        SET batch = CASE WHEN v.verdict = 'send' THEN v.first_held
@@ -178,7 +179,8 @@ WITH clock AS (
            last_sent_at = clock.now,
            due_at = CASE WHEN d.due_at < d.sending_until
                            OR EXISTS (SELECT 1 FROM outbox o
-                                       WHERE o.bucket = ANY(%(buckets)s::int[]) AND o.user_id = d.user_id
+                                       WHERE o.bucket = ANY(%(buckets)s::int[])
+                                         AND o.user_id = d.user_id
                                          AND o.sent_at IS NULL
                                          AND o.failed_at IS NULL AND o.urgent
                                          AND o.batch IS DISTINCT FROM k.batch)
@@ -225,7 +227,8 @@ WITH clock AS (
 ), parked_rows AS (
     UPDATE outbox o SET failed_at = clock.now, error = r.error
       FROM recorded r, clock
-     WHERE r.parked AND o.bucket = ANY(%(buckets)s::int[]) AND o.user_id = r.user_id AND o.batch = r.batch
+     WHERE r.parked
+       AND o.bucket = ANY(%(buckets)s::int[]) AND o.user_id = r.user_id AND o.batch = r.batch
        AND o.sent_at IS NULL
 )
 SELECT user_id, batch, parked FROM recorded
@@ -391,7 +394,8 @@ WITH clock AS (
        AND o.sent_at IS NULL
 ), due AS (
     UPDATE deliveries d SET due_at = least(d.due_at, clock.now)
-      FROM clock WHERE d.bucket = ANY(%(buckets)s::int[]) AND d.user_id IN (SELECT user_id FROM target)
+      FROM clock
+     WHERE d.bucket = ANY(%(buckets)s::int[]) AND d.user_id IN (SELECT user_id FROM target)
 ), extra AS (
     SELECT user_id, batch, '{{}}'::jsonb AS detail FROM target
 ), {_RECORD_REPAIR}"""

@@ -76,7 +76,8 @@ SELECT rule.rule, rule.answer, rule.ask_expires_in,
 
 RECORD = f"""
 INSERT INTO permit_decisions (bucket, user_id, at, tool, args_digest, answer, rule, holder, gen)
-VALUES (%(bucket)s, %(user)s, {NOW}, %(tool)s, %(digest)s, %(answer)s, %(rule)s, %(holder)s, %(gen)s)
+VALUES (%(bucket)s, %(user)s, {NOW}, %(tool)s, %(digest)s, %(answer)s, %(rule)s, %(holder)s,
+        %(gen)s)
 """
 
 

@@ -91,7 +91,8 @@ WITH clock AS (
 )
 INSERT INTO steps (bucket, user_id, event_ids, position, name, occurrence, result, holder, gen,
                    recorded_at)
-SELECT h.bucket, r.user_id, string_to_array(r.events, ',')::bigint[], r.position, r.name, r.occurrence,
+SELECT h.bucket, r.user_id, string_to_array(r.events, ',')::bigint[], r.position, r.name,
+       r.occurrence,
        r.result::jsonb, r.holder, r.gen, clock.now
   FROM rec r JOIN held h ON h.user_id = r.user_id AND h.gen = r.gen, clock
     ON CONFLICT ON CONSTRAINT uq_steps_user_id_event_ids_position DO NOTHING

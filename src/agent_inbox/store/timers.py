@@ -96,8 +96,8 @@ def _fire_sql(pick: str) -> str:
     statement: the occurrences to emit (the latest, or with catch_up the latest
     catch_up_limit), their event inserts, and the timer's advance to the next
     time on its grid."""
-    ripe = _ripe("t.bucket, t.user_id, t.timer_id, t.due, t.every, t.missed, t.catch_up_limit, t.payload,"
-                 " t.event_source, t.event_source_id", "NULL", pick)
+    ripe = _ripe("t.bucket, t.user_id, t.timer_id, t.due, t.every, t.missed, t.catch_up_limit,"
+                 " t.payload, t.event_source, t.event_source_id", "NULL", pick)
     return f"""
 WITH clock AS (
     SELECT {NOW} AS now
