@@ -36,6 +36,21 @@ def migrated_by(migrations: str, server_url: str) -> str:
     return url
 
 
+def one_side(url: str, users: int, seconds: float) -> dict:
+    """One repetition of W1b and W2 on `url`, by the agent_inbox this process imports."""
+    try:
+        a = wl.drain("ours", url, users=users, per_user=1, workers=4, concurrency=1,
+                     poll=1.0, timeout=600)
+        b = wl.latency("ours", url, users=200, interval=0.01, duration=seconds,
+                       workers=4, concurrency=1, poll=1.0, timeout=120)
+    finally:
+        resources().release()
+    return {"w1b_runs_per_s": a["runs_per_s_drain"], "startup_s": a["startup_s"],
+            "w2_p50_ms": b["p50_ms"], "w2_p99_ms": b["p99_ms"], "w2_max_ms": b["max_ms"],
+            "w2_steady_p99_ms": b["steady_p99_ms"],
+            "ok": a["check"]["ok"] and b["check"]["ok"], "loadavg_1m": os.getloadavg()[0]}
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.ab")
     parser.add_argument("rev")
@@ -43,7 +58,11 @@ def main(argv=None) -> int:
     parser.add_argument("--users", type=int, default=5000, help="W1b size (users x 1 event)")
     parser.add_argument("--seconds", type=float, default=10.0, help="W2 duration")
     parser.add_argument("--server-url", default="postgresql://postgres@127.0.0.1:5432/postgres")
+    parser.add_argument("--side", help="run one repetition on this database, print its row")
     args = parser.parse_args(argv)
+    if args.side:
+        print(json.dumps(one_side(args.side, args.users, args.seconds)))
+        return 0
     res = resources()
     tree = res.tempdir("ab-src")
     archive = subprocess.run(["git", "archive", args.rev, "src", "migrations"], cwd=ROOT,
@@ -57,21 +76,19 @@ def main(argv=None) -> int:
         for rep in range(args.reps):
             items = list(trees.items())
             for name, env in (items if rep % 2 == 0 else items[::-1]):
-                url = urls[name]
-                wl.OURS_ENV = env
-                a = wl.drain("ours", url, users=args.users, per_user=1, workers=4, concurrency=1,
-                             poll=1.0, timeout=600)
-                b = wl.latency("ours", url, users=200, interval=0.01, duration=args.seconds,
-                               workers=4, concurrency=1, poll=1.0, timeout=120)
-                row = {"w1b_runs_per_s": a["runs_per_s_drain"], "startup_s": a["startup_s"],
-                       "w2_p50_ms": b["p50_ms"], "w2_p99_ms": b["p99_ms"], "w2_max_ms": b["max_ms"],
-                       "w2_steady_p99_ms": b["steady_p99_ms"],
-                       "ok": a["check"]["ok"] and b["check"]["ok"], "loadavg_1m": os.getloadavg()[0]}
+                # one side's repetition in a process of its own, on that side's code
+                # (its in-process loads and sends too: its schema may differ from ours)
+                side = subprocess.run(
+                    [sys.executable, "-m", "bench.ab", "--side", urls[name], "--users",
+                     str(args.users), "--seconds", str(args.seconds), "-"],
+                    env={**os.environ, **env}, capture_output=True, text=True)
+                if side.returncode != 0:
+                    raise SystemExit(f"{name}: {side.stderr[-3000:]}")
+                row = json.loads(side.stdout.splitlines()[-1])
                 out[name].append(row)
                 print(name, {k: round(v, 2) if isinstance(v, float) else v for k, v in row.items()},
                       flush=True)
     finally:
-        wl.OURS_ENV = {}
         res.release()
     medians = {name: {k: statistics.median(r[k] for r in rows) for k in rows[0] if k != "ok"}
                for name, rows in out.items() if rows}

@@ -6,11 +6,9 @@ correctness checks of that repetition; bench.run repeats, interleaves the two
 systems and summarises.
 """
 
-import os
 import random
 import re
 import subprocess
-import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -80,21 +78,6 @@ def insert_commit_loop(url: str, seconds: float) -> dict:
 # --- W1 / W1b: drain a preloaded backlog -------------------------------------------------------
 
 def _preload_ours(url: str, users: int, per_user: int) -> set:
-    """Load the backlog with the code under test: in a process of its own when
-    that is another revision's (OURS_ENV, as bench.ab sets it), whose schema may
-    differ from this tree's; the event ids loaded."""
-    if OURS_ENV:
-        subprocess.run([sys.executable, "-c", "import sys; from bench.workloads import load_ours;"
-                        " load_ours(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]))",
-                        url, str(users), str(per_user)],
-                       env={**os.environ, **OURS_ENV}, check=True)
-    else:
-        load_ours(url, users, per_user)
-    return {r[0] for r in sql(url, "SELECT id FROM events", fetch=True)}
-
-
-def load_ours(url: str, users: int, per_user: int) -> None:
-    """users x per_user events through ingest_many, the users interleaved."""
     with Inbox.connect(url, pool_size=1) as inbox:
         batch = []
         for k in range(per_user):            # arrival order interleaves the users
@@ -105,6 +88,7 @@ def load_ours(url: str, users: int, per_user: int) -> None:
                     batch = []
         if batch:
             inbox.ingest_many(batch)
+    return {r[0] for r in sql(url, "SELECT id FROM events", fetch=True)}
 
 
 def _preload_peer(url: str, users: int, per_user: int, task_name: str = TASK_NAME) -> set:
