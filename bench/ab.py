@@ -37,7 +37,9 @@ def migrated_by(migrations: str, server_url: str) -> str:
 
 
 def one_side(url: str, users: int, seconds: float) -> dict:
-    """One repetition of W1b and W2 on `url`, by the agent_inbox this process imports."""
+    """One repetition of W1b and W2 on `url`, by the agent_inbox this process
+    imports (its workers too: they get this process's PYTHONPATH)."""
+    wl.OURS_ENV = {"PYTHONPATH": os.environ.get("PYTHONPATH", str(ROOT))}
     try:
         a = wl.drain("ours", url, users=users, per_user=1, workers=4, concurrency=1,
                      poll=1.0, timeout=600)
