@@ -98,11 +98,16 @@ def _bound(statement: str, **arguments: str) -> str:
 _GEN_OF = "(v_gen_of ->> e.user_id)::bigint"
 
 
-def _planned(key: str, cast: str = "") -> str:
-    """What the claim's plan says of the event `e` in its UPDATE (see TAKE): a
-    lookup in a jsonb object by the event's id, not an array subscript (Citus
-    13.2's deparser fails on a subscript of a parameter there)."""
-    return f"(v_plan -> e.id::text ->> '{key}'){cast}"
+# What the claim's plan says of the event `e` in its UPDATE (see TAKE): its new
+# status, the jitter of its retry's backoff, and the status and attempts it was
+# read with. Each names the plan's smallest value that says it (an array of
+# ids, a jsonb object by id: never an array subscript, on which Citus 13.2's
+# deparser fails), since Citus writes every value the statement names into the
+# shard query's text once per mention and parses it back, on every call.
+_NEW_STATUS = "CASE WHEN e.id = ANY(v_running) THEN 'running' ELSE 'dead' END"
+_JITTER = "(v_jitter_of ->> e.id::text)::float8"
+_OLD_STATUS = "(v_old_of -> e.id::text ->> 0)"
+_OLD_ATTEMPTS = "(v_old_of -> e.id::text ->> 1)::int"
 
 
 _WAKE_NOW = _bound(bucketed.WAKE, at="v_now")
@@ -251,7 +256,9 @@ DECLARE
     v_attempts int[];
     v_availables bigint[];
     v_p_ids bigint[];
-    v_plan jsonb;
+    v_running bigint[];
+    v_jitter_of jsonb;
+    v_old_of jsonb;
     v_died bigint[];
     v_unfinished bigint[];
     v_pos int;
@@ -317,10 +324,11 @@ BEGIN
       FROM events e
      WHERE e.bucket = p_bucket AND e.user_id = ANY(v_taken_users)
        AND {open_to_claim(_GEN_OF)};
-    SELECT coalesce(array_agg(p.id), '{{}}'), jsonb_object_agg(p.id, jsonb_build_object(
-               'status', p.status, 'old_status', p.old_status,
-               'old_attempts', p.old_attempts, 'jitter', p.jitter, 'gen', p.gen))
-      INTO v_p_ids, v_plan
+    SELECT coalesce(array_agg(p.id), '{{}}'),
+           coalesce(array_agg(p.id) FILTER (WHERE p.status = 'running'), '{{}}'),
+           jsonb_object_agg(p.id, round(p.jitter::numeric, 6)) FILTER (WHERE p.status = 'running'),
+           jsonb_object_agg(p.id, jsonb_build_array(p.old_status, p.old_attempts))
+      INTO v_p_ids, v_running, v_jitter_of, v_old_of
       FROM (WITH run AS (SELECT v_now AS now), open AS (
                 SELECT NULL::tid AS version, e.user_id, e.id, e.status, e.attempts,
                        {_GEN_OF} AS gen, run.now, {CLAIM_RANKS}
@@ -335,13 +343,12 @@ BEGIN
     unfinished := NULL;
     doc := NULL;
     FOR r IN UPDATE events e
-                SET {claim_set(_planned("status"), _planned("gen", "::bigint"), "v_now",
-                               _planned("jitter", "::float8"))}
+                SET {claim_set(_NEW_STATUS, _GEN_OF, "v_now", _JITTER)}
               WHERE e.bucket = p_bucket AND e.user_id = ANY(v_taken_users)
                 AND e.id = ANY(v_p_ids)
-                AND e.status = {_planned("old_status")}
-                AND e.attempts = {_planned("old_attempts", "::int")}
-          RETURNING {EVENT_COLUMNS}, {_planned("old_status")} AS old_status LOOP
+                AND e.status = {_OLD_STATUS}
+                AND e.attempts = {_OLD_ATTEMPTS}
+          RETURNING {EVENT_COLUMNS}, {_OLD_STATUS} AS old_status LOOP
         v_pos := array_position(v_order, r."user");
         IF r.status = 'dead' THEN
             v_died[v_pos] := v_died[v_pos] + 1;
