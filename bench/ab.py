@@ -20,7 +20,7 @@ import time
 from alembic import command
 from alembic.config import Config
 
-from agent_inbox import migrate
+from agent_inbox.schema import migrate
 from bench import workloads as wl
 from bench.common import RESULTS, ROOT, ours_database, resources
 

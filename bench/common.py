@@ -16,7 +16,8 @@ from pathlib import Path
 
 import psycopg
 
-from agent_inbox import migrate, pgserver
+from agent_inbox.schema import migrate
+from agent_inbox.dev import pgserver
 
 ROOT = Path(__file__).resolve().parent.parent          # /work/main
 VENV_BIN = Path(sys.executable).parent

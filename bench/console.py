@@ -23,7 +23,7 @@ import time
 
 import psycopg
 
-from agent_inbox.console import queries
+from agent_inbox.store import views as queries
 from agent_inbox.store import admin, outbox, stats
 from bench.common import RESULTS, VENV_BIN, ours_database, resources, spawn, src_fingerprint
 

@@ -32,7 +32,9 @@ import time
 
 import psycopg
 
-from agent_inbox import Inbox, Result, migrate, pgserver
+from agent_inbox import Inbox, Result
+from agent_inbox.schema import migrate
+from agent_inbox.dev import pgserver
 from bench import records
 from bench.common import RESULTS, ROOT, VENV_BIN, src_fingerprint
 

@@ -24,7 +24,9 @@ import time
 
 import psycopg
 
-from agent_inbox import Inbox, Result, migrate, pgserver
+from agent_inbox import Inbox, Result
+from agent_inbox.schema import migrate
+from agent_inbox.dev import pgserver
 from bench.common import RESULTS, ROOT, process_tree
 
 SERVER = "postgresql://postgres@127.0.0.1:5432/postgres"

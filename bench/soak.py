@@ -57,7 +57,10 @@ import time
 
 import psycopg
 
-from agent_inbox import Inbox, horizon, migrate, pgserver
+from agent_inbox import Inbox
+from agent_inbox.services.worker import horizon
+from agent_inbox.schema import migrate
+from agent_inbox.dev import pgserver
 from agent_inbox.records import ClaimPolicy
 from agent_inbox.store import inbox as inbox_sql, lease as lease_sql, wake_rings
 from agent_inbox.store.keys import users_key

@@ -20,7 +20,8 @@ import tempfile
 import threading
 import time
 
-from agent_inbox import migrate, pgserver
+from agent_inbox.schema import migrate
+from agent_inbox.dev import pgserver
 from bench.common import RESULTS, VENV_BIN, scalar, spawn, sql, stop_processes, src_fingerprint
 
 SERVER = "postgresql://postgres@127.0.0.1:5432/postgres"

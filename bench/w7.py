@@ -47,7 +47,10 @@ from pathlib import Path
 import psycopg
 from psycopg import conninfo
 
-from agent_inbox import Inbox, citus, migrate, pgserver
+from agent_inbox import Inbox
+from agent_inbox.backend.citus import layout as citus
+from agent_inbox.schema import migrate
+from agent_inbox.dev import pgserver
 from agent_inbox.store import keys
 from bench import workloads
 from bench.common import (RESULTS, open_count_query, poll_connection, resources,

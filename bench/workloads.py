@@ -16,7 +16,8 @@ from concurrent.futures import ThreadPoolExecutor
 import psycopg
 from procrastinate import exceptions as peer_exceptions
 
-from agent_inbox import DatabaseUnavailable, Inbox, Result, TransactionConflict, migrate
+from agent_inbox import DatabaseUnavailable, Inbox, Result, TransactionConflict
+from agent_inbox.schema import migrate
 from agent_inbox.store import inbox as inbox_store, wake_rings
 
 from bench import records

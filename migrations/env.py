@@ -1,7 +1,7 @@
 """Alembic environment for agent-inbox.
 
 The database comes from a connection passed in `config.attributes["connection"]`
-(how `agent_inbox.migrate` calls it), else from AGENT_INBOX_DATABASE_URL or
+(how `agent_inbox.schema.migrate` calls it), else from AGENT_INBOX_DATABASE_URL or
 `sqlalchemy.url`. Online migrations hold a transaction-scoped advisory lock, so
 two processes migrating at once run one after the other and the second finds
 nothing to do.
@@ -14,7 +14,7 @@ import psycopg
 import sqlalchemy as sa
 from alembic import context
 
-from agent_inbox import schema
+from agent_inbox.schema import model as schema
 
 # An arbitrary constant shared by every copy of agent-inbox: the migration lock.
 MIGRATION_LOCK_KEY = 0x6167656E74  # "agent"

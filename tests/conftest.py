@@ -17,7 +17,7 @@ about a second).
 
 import pytest
 
-from agent_inbox import pgserver
+from agent_inbox.dev import pgserver
 
 
 @pytest.hookimpl(tryfirst=True)

@@ -16,7 +16,7 @@ import pytest
 
 from agent_inbox import Result, metrics
 from agent_inbox.store import compaction, wake_rings
-from agent_inbox.worker.compactor import Compactor
+from agent_inbox.services.worker.compactor import Compactor
 from tests.races import Racers, wait_for_lock_waiters
 
 T = 1_000_000

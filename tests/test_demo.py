@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from agent_inbox import pgserver
+from agent_inbox.dev import pgserver
 
 HERE = Path(__file__).parent
 EXPECTED = HERE / "data" / "expected_demo_output.txt"

@@ -23,9 +23,9 @@ from slack_sdk.signature import SignatureVerifier
 from standardwebhooks import Webhook
 
 from agent_inbox import errors
-from agent_inbox.ingest import signatures
-from agent_inbox.ingest.app import build_app
-from agent_inbox.ingest.secrets import Credential, SecretStore, load_secrets
+from agent_inbox.services.ingest import signatures
+from agent_inbox.services.ingest.app import build_app
+from agent_inbox.services.ingest.secrets import Credential, SecretStore, load_secrets
 
 from tests.test_ingest_server import (ROOT, get, post, serving, sign, spawn_server,  # noqa: F401
                                       stored)
@@ -462,7 +462,7 @@ def test_a_toml_file_cut_off_anywhere_but_between_complete_lines_is_refused(tmp_
 
 
 def test_a_file_that_changes_while_it_is_read_is_refused(tmp_path, monkeypatch):
-    from agent_inbox.ingest import secrets as module
+    from agent_inbox.services.ingest import secrets as module
 
     path = tmp_path / "s.toml"
     path.write_text(TOML)

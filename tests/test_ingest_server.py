@@ -26,9 +26,9 @@ import pytest
 import uvicorn
 
 from agent_inbox import errors
-from agent_inbox.ingest import signatures
-from agent_inbox.ingest.app import build_app
-from agent_inbox.ingest.secrets import Credential, SecretStore, load_secrets
+from agent_inbox.services.ingest import signatures
+from agent_inbox.services.ingest.app import build_app
+from agent_inbox.services.ingest.secrets import Credential, SecretStore, load_secrets
 
 from tests.runtime.support import wait_until
 

@@ -6,7 +6,7 @@ import json
 import pytest
 from stripe import SignatureVerificationError, WebhookSignature
 
-from agent_inbox.ingest.app import build_app
+from agent_inbox.services.ingest.app import build_app
 from tests.test_ingest_server import STRIPE_SECRET, post, serving, stored
 
 

@@ -19,9 +19,9 @@ import psycopg
 import pytest
 
 from agent_inbox import cli, errors
-from agent_inbox.ingest import logs
-from agent_inbox.ingest.app import build_app
-from agent_inbox.ingest.transport import Limits
+from agent_inbox.services.ingest import logs
+from agent_inbox.services.ingest.app import build_app
+from agent_inbox.services.ingest.transport import Limits
 
 from tests.test_ingest_server import (GITHUB_SECRET, SECRETS, github, serving, spawn_server,  # noqa: F401
                                       stored, stripe, write_secrets)

@@ -8,7 +8,8 @@ import sys
 import psycopg
 import pytest
 
-from agent_inbox import errors, migrate, revision
+from agent_inbox import errors
+from agent_inbox.schema import migrate, revision
 from agent_inbox.store import keys
 
 TABLES = {"events", "leases", "timers", "outbox", "operator_actions", "deliveries", "wakes",

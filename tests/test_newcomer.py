@@ -28,7 +28,7 @@ def test_a_reference_loads_from_the_current_folder_as_the_console_script_runs_it
     (tmp_path / "myapp" / "__init__.py").write_text("")
     (tmp_path / "myapp" / "channels.py").write_text("def send(user, text, key):\n    pass\n")
     # -I: no current folder on sys.path, no PYTHON* variables (as a console script)
-    probe = ("from agent_inbox import handler\n"
+    probe = ("from agent_inbox.agent import handler\n"
              "print(handler.load('myapp.channels:send', what='channel').__module__)")
     done = subprocess.run([sys.executable, "-I", "-c", probe], cwd=tmp_path,
                           capture_output=True, text=True, timeout=60)
@@ -85,7 +85,7 @@ def test_a_worker_given_a_malformed_url_exits_2_and_starts_no_runtime():
 @pytest.mark.parametrize("url", ["postgresql://app@db:5432/app", "postgres://db/app",
                                  "host=db dbname=app user=app", "postgresql:///app?host=/tmp"])
 def test_good_urls_and_connection_strings_pass(url):
-    assert cli.database_url(url) == url
+    assert cli.options.database_url(url) == url
 
 
 # --- the worker's default concurrency fits agents -------------------------------------------

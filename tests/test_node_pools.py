@@ -12,7 +12,8 @@ import threading
 import psycopg
 import pytest
 
-from agent_inbox import citus, db
+from agent_inbox.backend.citus import nodes as citus_nodes
+from agent_inbox import db
 
 
 class OneNode:
@@ -34,7 +35,7 @@ class OneNode:
 
 @pytest.fixture
 def pools(agent_inbox_database):
-    kept = citus.NodePools(agent_inbox_database, OneNode(agent_inbox_database),
+    kept = citus_nodes.NodePools(agent_inbox_database, OneNode(agent_inbox_database),
                            lambda url: db.connect(url, name="node-pools-test"), size=2)
     yield kept
     kept.close()
@@ -54,7 +55,7 @@ def test_one_closed_while_idle_is_checked_and_replaced(pools, agent_inbox_databa
     with psycopg.connect(agent_inbox_database, autocommit=True) as admin:
         # returns once the backend has ended (up to 10 s)
         assert admin.execute("SELECT pg_terminate_backend(%s, 10000)", (first,)).fetchone()[0]
-    monkeypatch.setattr(citus, "IDLE_CHECK_S", 0.0)     # every kept one idle long enough
+    monkeypatch.setattr(citus_nodes, "IDLE_CHECK_S", 0.0)     # every kept one idle long enough
     with pools.connection(0) as conn:
         assert conn.execute("SELECT 1").fetchone() == (1,)
         assert conn.info.backend_pid != first
@@ -66,7 +67,7 @@ def test_unchecked_a_connection_closed_while_idle_fails_the_call(pools, agent_in
     first = backend(pools)
     with psycopg.connect(agent_inbox_database, autocommit=True) as admin:
         admin.execute("SELECT pg_terminate_backend(%s, 10000)", (first,))
-    monkeypatch.setattr(citus, "IDLE_CHECK_S", 3600.0)
+    monkeypatch.setattr(citus_nodes, "IDLE_CHECK_S", 3600.0)
     with pytest.raises(psycopg.OperationalError), pools.connection(0) as conn:
         conn.execute("SELECT 1")
     assert backend(pools) != first                       # the broken one was not kept
@@ -114,7 +115,7 @@ def test_a_call_beyond_size_waits_for_a_connection_given_back_and_opens_none(poo
 
 def test_a_call_that_finds_no_connection_free_within_wait_fails_as_the_nodes(
         agent_inbox_database):
-    pools = citus.NodePools(agent_inbox_database, OneNode(agent_inbox_database),
+    pools = citus_nodes.NodePools(agent_inbox_database, OneNode(agent_inbox_database),
                             lambda url: db.connect(url, name="node-pools-test"), size=1, wait=0.2)
     try:
         with pools.connection(0):

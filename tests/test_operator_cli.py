@@ -7,7 +7,7 @@ import json
 import psycopg
 import pytest
 
-from agent_inbox import operator
+from agent_inbox.cli import operator
 from tests import races
 
 T = 1_000_000

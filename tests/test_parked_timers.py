@@ -9,7 +9,7 @@ import pytest
 from prometheus_client import REGISTRY
 
 from agent_inbox.store import keys
-from agent_inbox.scheduler import HELD_BACKOFF, Scheduler
+from agent_inbox.services.scheduler import HELD_BACKOFF, Scheduler
 from tests.test_operator_cli import run_cli, run_json
 
 T = 1_000_020  # a whole minute: cron occurrences fall on it

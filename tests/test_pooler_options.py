@@ -11,7 +11,7 @@ import threading
 import pytest
 
 from agent_inbox import Inbox, InvalidInput, cli
-from agent_inbox.service import Listener, Stop
+from agent_inbox.services.service import Listener, Stop
 from tests.runtime.support import ROOT, read_until, scalar, wait_until
 
 CHANNEL = "tests.runtime.handlers:echo"  # loadable: the dispatcher refuses before it sends

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from agent_inbox import pgserver
+from agent_inbox.dev import pgserver
 from tests import pgbouncer
 
 REPO = Path(__file__).resolve().parent.parent

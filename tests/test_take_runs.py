@@ -9,7 +9,7 @@ import pytest
 
 from agent_inbox import Result
 from agent_inbox.errors import InvalidInput
-from agent_inbox.runs import Run
+from agent_inbox.api.runs import Run
 from tests.races import Racers, wait_for_lock_waiters
 
 T = 1_000_000

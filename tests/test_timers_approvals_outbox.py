@@ -58,7 +58,7 @@ def test_the_scheduler_serves_every_user(inbox):
 
 
 def test_the_scheduler_drains_more_timers_than_one_batch(inbox, monkeypatch):
-    from agent_inbox import scheduling
+    from agent_inbox.api import scheduling
 
     monkeypatch.setattr(scheduling, "SCHEDULER_BATCH", 3)
     for n in range(10):

@@ -27,7 +27,9 @@ import time
 
 import psycopg
 
-from agent_inbox import Inbox, Result, migrate, pgserver
+from agent_inbox import Inbox, Result
+from agent_inbox.schema import migrate
+from agent_inbox.dev import pgserver
 from agent_inbox.store import inbox as store
 from agent_inbox.store.clock import NOW
 

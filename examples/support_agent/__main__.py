@@ -17,7 +17,9 @@ import subprocess
 import sys
 import time
 
-from agent_inbox import Inbox, migrate, pgserver
+from agent_inbox import Inbox
+from agent_inbox.schema import migrate
+from agent_inbox.dev import pgserver
 from examples.support_agent.fake_llm import FakeLLM
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

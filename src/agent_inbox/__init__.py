@@ -18,13 +18,13 @@ _EXPORTS = {
         "PayloadTooLarge", "PermanentSendError", "SchemaNotAtHead", "StepMismatch", "StepRefused",
         "TransactionConflict", "LeaseLost", "UserBusy",
     ],
-    "agent_inbox.app": ["App", "Limit"],
-    "agent_inbox.handler": ["Context"],
-    "agent_inbox.permissions": ["ApprovalNeeded", "Permit"],
-    "agent_inbox.inbox": ["Inbox"],
-    "agent_inbox.runs": ["Run"],
+    "agent_inbox.agent.app": ["App", "Limit"],
+    "agent_inbox.agent.handler": ["Context"],
+    "agent_inbox.agent.permits": ["ApprovalNeeded", "Permit"],
+    "agent_inbox.api.inbox": ["Inbox"],
+    "agent_inbox.api.runs": ["Run"],
     "agent_inbox.records": ["Event", "Lease", "OutboxMessage", "Timer"],
-    "agent_inbox.result": ["ApprovalRequest", "Message", "Result", "TimerRequest"],
+    "agent_inbox.agent.result": ["ApprovalRequest", "Message", "Result", "TimerRequest"],
 }
 _MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
 __all__ = sorted(_MODULE_OF)
@@ -49,10 +49,10 @@ if TYPE_CHECKING:
                                     InvalidTimer, PartlyDone, PayloadTooLarge,
                                     PermanentSendError, SchemaNotAtHead, StepMismatch,
                                     StepRefused, TransactionConflict, LeaseLost, UserBusy)
-    from agent_inbox.app import App, Limit
-    from agent_inbox.handler import Context
-    from agent_inbox.permissions import ApprovalNeeded, Permit
-    from agent_inbox.inbox import Inbox
+    from agent_inbox.agent.app import App, Limit
+    from agent_inbox.agent.handler import Context
+    from agent_inbox.agent.permits import ApprovalNeeded, Permit
+    from agent_inbox.api.inbox import Inbox
     from agent_inbox.records import Event, Lease, OutboxMessage, Timer
-    from agent_inbox.result import ApprovalRequest, Message, Result, TimerRequest
-    from agent_inbox.runs import Run
+    from agent_inbox.agent.result import ApprovalRequest, Message, Result, TimerRequest
+    from agent_inbox.api.runs import Run

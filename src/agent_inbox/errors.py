@@ -126,3 +126,9 @@ class CostAboveBurst(InvalidInput):
     """`ctx.limit(name, cost)` asked for more at once than the limit's burst
     (its bucket never holds that many): the call could never be granted, so it
     fails at once. Nothing was taken."""
+
+
+def first_line(exc: BaseException) -> str:
+    """The first line of what `exc` says (its class name when it says nothing):
+    a database error's one-line summary, for logs and messages."""
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]

@@ -126,3 +126,8 @@ class SendPolicy:
     max_attempts: int = 10
     backoff_base: int = 5
     backoff_cap: int = 300
+
+
+# A taken run as the store answers it:
+# (user, gen, claimed_at, died, unfinished, memory, events).
+Taken = tuple

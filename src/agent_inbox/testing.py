@@ -32,12 +32,13 @@ from typing import Any
 
 import pytest
 
-from agent_inbox import handler as handlers
-from agent_inbox import migrate, pgserver
-from agent_inbox.app import App, as_app
-from agent_inbox.inbox import Inbox
+from agent_inbox.agent import handler as handlers
+from agent_inbox.schema import migrate
+from agent_inbox.dev import pgserver
+from agent_inbox.agent.app import App, as_app
+from agent_inbox.api.inbox import Inbox
 from agent_inbox.records import Event
-from agent_inbox.result import Result
+from agent_inbox.agent.result import Result
 
 SERVER_URL_ENV = "AGENT_INBOX_TEST_DATABASE_URL"
 

@@ -12,7 +12,8 @@ import sys
 import psycopg
 import pytest
 
-from agent_inbox import Inbox, demo
+from agent_inbox import Inbox
+from agent_inbox.dev import demo
 from tests.runtime.support import ROOT
 
 POOL_SIZE = 1

@@ -34,7 +34,9 @@ from pathlib import Path
 
 import pytest
 
-from agent_inbox import errors, migrate, pgserver
+from agent_inbox import errors
+from agent_inbox.schema import migrate
+from agent_inbox.dev import pgserver
 from tests.chaos import checks
 from tests.chaos.fleet import Network, Service, Supervisor, Timeline, signal_sessions
 from tests.chaos.workload import (Feeder, Item, Probe, TimerSpec, add_timers, build_events,

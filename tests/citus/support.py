@@ -9,7 +9,9 @@ import psycopg
 import pytest
 from psycopg import sql
 
-from agent_inbox import citus, migrate, pgserver
+from agent_inbox.backend.citus import layout as citus
+from agent_inbox.schema import migrate
+from agent_inbox.dev import pgserver
 
 EMPTYING_LOCK_TIMEOUT = "10s"
 """How long emptying waits for the lock on a table before it fails, naming

@@ -13,8 +13,11 @@ import psycopg
 from psycopg import conninfo
 import pytest
 
-from agent_inbox import Inbox, Result, TimerRequest, citus, errors, revision
-from agent_inbox.store import delegated
+from agent_inbox import Inbox, Result, TimerRequest, errors
+from agent_inbox.backend.citus import layout as citus
+from agent_inbox.backend.citus import nodes as citus_nodes
+from agent_inbox.schema import revision
+from agent_inbox.backend.citus import functions as delegated
 from agent_inbox.store import keys
 
 
@@ -38,7 +41,7 @@ def users_in_bucket(bucket: int, count: int) -> list[str]:
 def node_url(database_url: str, bucket: int) -> str:
     """The test database on the worker node that holds `bucket`."""
     with psycopg.connect(database_url, autocommit=True) as conn:
-        nodes = citus.NodeMap()
+        nodes = citus_nodes.NodeMap()
         nodes.groups(conn)
         host, port = nodes.address(bucket)
     return conninfo.make_conninfo(database_url, host=host, port=port)

@@ -3,7 +3,7 @@ reference demo's lines (demo.scenarios, run on a distributed database)."""
 
 from pathlib import Path
 
-from agent_inbox import demo
+from agent_inbox.dev import demo
 
 EXPECTED = Path(__file__).parent.parent / "data" / "expected_demo_output.txt"
 

@@ -1,7 +1,7 @@
 """`citus_nodes="direct"`: the run path's take and finish calls, and the
 reads across a node's shards (the due buckets of the take, the scheduler and
 the dispatcher, the orphan scan), go straight to the worker node that holds
-each bucket (citus.NodePools), so the coordinator neither plans nor relays
+each bucket (citus_nodes.NodePools), so the coordinator neither plans nor relays
 them; a finish that queues messages still goes
 through the coordinator (the ids of its messages order them, and the
 dispatchers hear its NOTIFY there). What each backend answered last is read
@@ -11,7 +11,8 @@ application, the coordinator's to a node are Citus's."""
 import psycopg
 import pytest
 
-from agent_inbox import Inbox, Result, citus, errors
+from agent_inbox import Inbox, Result, errors
+from agent_inbox.backend.citus import nodes as citus_nodes
 from agent_inbox.store import keys
 
 APP = "agent-inbox-direct-test"
@@ -32,7 +33,7 @@ def node_urls(url: str, cluster) -> list[str]:
 
 def users_on_every_node(url: str, per_node: int) -> list[str]:
     with psycopg.connect(url, autocommit=True) as conn:
-        groups = citus.NodeMap().groups(conn)
+        groups = citus_nodes.NodeMap().groups(conn)
     users = []
     for group in groups:
         users += [u for u in (f"u{n}" for n in range(5000)) if keys.bucket(u) in group][:per_node]
@@ -77,18 +78,18 @@ def test_the_scheduler_dispatcher_and_orphan_scan_read_each_node_on_the_node(
         database_url, citus_cluster, monkeypatch):
     """Each read of due timers, due deliveries and a holder's leases is made
     on a connection to every worker node, none on the coordinator's (seen at
-    citus.per_node's read, by the port each ran on); what they found is
+    citus_nodes.per_node's read, by the port each ran on); what they found is
     acted on as through the coordinator."""
     users = users_on_every_node(database_url, 1)
     worker_ports = sorted(node.port for node in citus_cluster.workers)
     read_at: list[tuple[int, str]] = []
-    one_connection = citus._one_connection
+    one_connection = citus_nodes._one_connection
 
     def seen(conn, statement, params):
         read_at.append((conn.info.port, statement))
         return one_connection(conn, statement, params)
 
-    monkeypatch.setattr(citus, "_one_connection", seen)
+    monkeypatch.setattr(citus_nodes, "_one_connection", seen)
 
     def read_on_every_node(fragment: str) -> None:
         ports = sorted(port for port, statement in read_at if fragment in statement)

@@ -4,7 +4,9 @@ of a real ingest spread over both worker nodes."""
 
 import psycopg
 
-from agent_inbox import citus, cli, pgserver
+from agent_inbox.backend.citus import layout as citus
+from agent_inbox import cli
+from agent_inbox.dev import pgserver
 
 
 def test_migrate_citus_on_plain_postgresql_is_refused(server_url, capsys):
@@ -56,7 +58,8 @@ def test_a_database_laid_out_before_0006_gets_the_new_tables_distributed(citus_c
     --citus` lays out the tables 0006 and 0007 added (steps, memory, policies,
     permit decisions by bucket, co-located; default_policies a reference
     table), and then a run's durable step and memory work there."""
-    from agent_inbox import Inbox, Result, migrate
+    from agent_inbox import Inbox, Result
+    from agent_inbox.schema import migrate
 
     url = citus_cluster.create_database()
     try:

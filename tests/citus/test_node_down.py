@@ -18,7 +18,8 @@ import sys
 import psycopg
 import pytest
 
-from agent_inbox import Inbox, Result, citus, errors
+from agent_inbox import Inbox, Result, errors
+from agent_inbox.backend.citus import nodes as citus_nodes
 from agent_inbox.store import keys
 from tests.citus.support import started_cluster
 from tests.runtime.support import ROOT, stop_all, wait_until, worker_args
@@ -83,7 +84,7 @@ def test_the_node_map_agrees_with_citus_on_every_bucket(url):
             f"""SELECT b, p.groupid FROM generate_series(0, {keys.BUCKETS - 1}) b
                   JOIN pg_dist_placement p
                     ON p.shardid = get_shard_id_for_distribution_column('leases', b)""").fetchall())
-        groups = citus.NodeMap().groups(conn)
+        groups = citus_nodes.NodeMap().groups(conn)
     assert sorted(b for group in groups for b in group) == list(range(keys.BUCKETS))
     assert len(groups) == 2
     for group in groups:
@@ -97,7 +98,7 @@ def done_in(url, buckets):
                             " AND status = 'done'", (buckets,)).fetchone()[0]
 
 
-@pytest.mark.parametrize("citus_nodes", citus.NODES)
+@pytest.mark.parametrize("citus_nodes", citus_nodes.NODES)
 def test_the_api_serves_the_nodes_that_answer_and_says_what_it_could_not(url, cluster,
                                                                          citus_nodes):
     """Through the coordinator, or with the take and finish calls sent straight

@@ -23,8 +23,9 @@ import time
 import psycopg
 import pytest
 
-from agent_inbox import Inbox, Result, errors, pgserver
-from agent_inbox.permissions import PermitAsk
+from agent_inbox import Inbox, Result, errors
+from agent_inbox.dev import pgserver
+from agent_inbox.api.permissions import PermitAsk
 from agent_inbox.store import policies
 from agent_inbox.store.steps import StepRecord
 from agent_inbox.store import keys

@@ -9,10 +9,11 @@ that fans out, or that forgets its bucket, fails here."""
 import psycopg
 import pytest
 
-from agent_inbox import citus
+from agent_inbox.backend.citus import statements as citus_statements
 from agent_inbox.records import ClaimPolicy
-from agent_inbox.store import (admin, approvals, bucketed, inbox, lease, memory, outbox, policies,
-                               steps, timers)
+from agent_inbox.store import (admin, approvals, inbox, lease, memory, outbox, policies, steps,
+                               timers)
+from agent_inbox.backend.citus import statements as bucketed
 from agent_inbox.store.keys import user_key, users_key
 
 POLICY = ClaimPolicy(max_attempts=3, backoff_base=5, backoff_cap=300, max_batch=100).params()
@@ -23,8 +24,8 @@ STATEMENTS = {
     "ingest": (inbox.INSERT, user_key("alice", source="s", source_id="k",
                               payload="{}", kind=None,
                               traceparent=None)),
-    "ingest: lease row": (citus.EVENTS_INSERTED[0], user_key("alice")),
-    "ingest: wake": (citus.EVENTS_INSERTED[1], user_key("alice")),
+    "ingest: lease row": (citus_statements.EVENTS_INSERTED[0], user_key("alice")),
+    "ingest: wake": (citus_statements.EVENTS_INSERTED[1], user_key("alice")),
     "lock": (lease.LOCK, user_key("alice")),
     "first acquire": (lease.CREATE_EXPIRED, user_key("alice")),
     "acquire": (lease.ACQUIRE, user_key("alice", holder="A", ttl=60, now=None)),

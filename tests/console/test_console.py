@@ -7,7 +7,7 @@ import pytest
 from agent_inbox import cli
 from agent_inbox.store import keys
 from agent_inbox.store import stats
-from agent_inbox.worker import Worker
+from agent_inbox.services.worker import Worker
 from tests.console.conftest import TOKENS
 from tests.races import lock_waiters
 from tests.test_operator_cli import exhaust
@@ -121,7 +121,7 @@ def test_a_worker_records_its_runs_for_the_chart(inbox, database_url):
         gen = inbox.acquire("carol", "crashed")
         inbox.claim_batch("carol", "crashed", gen)
         inbox.release("carol", "crashed", gen)
-    worker = Worker(inbox, "agent_inbox.examples:echo", holder="w-test")
+    worker = Worker(inbox, "agent_inbox.dev.examples:echo", holder="w-test")
     try:
         worker.run_once()
         worker.run_once()
@@ -136,7 +136,7 @@ def test_a_worker_records_its_runs_for_the_chart(inbox, database_url):
 
 
 def test_sessions_expire_and_cannot_be_forged():
-    from agent_inbox.console import auth
+    from agent_inbox.services.console import auth
 
     [token] = auth.parse_tokens("ann:operator:long-enough-token-1-5f0c9e2a7b3d41e8a6c2d9f0b7e1a3c4", "test")
     signer = auth.Authenticator([token], session_ttl=60)

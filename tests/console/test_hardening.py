@@ -8,8 +8,8 @@ import urllib.request
 
 import pytest
 
-from agent_inbox.console import auth
-from agent_inbox.console.app import SECURITY_HEADERS, build_app
+from agent_inbox.services.console import auth
+from agent_inbox.services.console.app import SECURITY_HEADERS, build_app
 from tests.console.conftest import TOKENS, ConsoleProcess, _no_redirects
 from tests.test_ingest_server import serving
 

@@ -9,7 +9,7 @@ import psycopg
 import pytest
 
 from agent_inbox import Result
-from agent_inbox.permissions import PermitAsk
+from agent_inbox.api.permissions import PermitAsk
 from agent_inbox.store import policies
 from tests.console.conftest import TOKENS, ConsoleProcess
 

@@ -21,7 +21,7 @@ import uuid
 import psycopg
 import pytest
 
-import agent_inbox.inbox
+import agent_inbox.api.scheduling
 from agent_inbox.store import keys
 from agent_inbox.store import lease as lease_store
 from tests.races import Racers, wait_for_lock_waiters
@@ -196,15 +196,15 @@ def test_simultaneous_schedulers_fire_each_occurrence_once(database_url, make_in
 def test_concurrent_schedulers_over_many_batches_fire_each_timer_once(
         database_url, make_inbox, inbox, monkeypatch):
     """Four schedulers making many small-batch passes at once: each timer fires exactly once."""
-    monkeypatch.setattr(agent_inbox.scheduling, "SCHEDULER_BATCH", 7)
+    monkeypatch.setattr(agent_inbox.api.scheduling, "SCHEDULER_BATCH", 7)
     batches = []  # timers fired by each batch, across all schedulers
-    count_fired = agent_inbox.scheduling.Scheduling._count_fired
+    count_fired = agent_inbox.api.scheduling.Scheduling._count_fired
 
     def counted(batch):
         batches.append(batch.fired)
         count_fired(batch)
 
-    monkeypatch.setattr(agent_inbox.scheduling.Scheduling, "_count_fired", staticmethod(counted))
+    monkeypatch.setattr(agent_inbox.api.scheduling.Scheduling, "_count_fired", staticmethod(counted))
     expected = arm_timers(inbox, users=100)
     schedulers = racer_inboxes(make_inbox, 4)
     start = threading.Barrier(len(schedulers))

@@ -16,9 +16,10 @@ import time
 
 import pytest
 
-from agent_inbox import cli, errors, limits
-from agent_inbox.handler import Context
-from agent_inbox.limits import Limiter
+from agent_inbox import cli, errors
+from agent_inbox.api import limits
+from agent_inbox.agent.handler import Context
+from agent_inbox.api.limits import Limiter
 
 
 def wait_until(condition, description, timeout=20.0):

@@ -11,7 +11,8 @@ import threading
 import psycopg
 import pytest
 
-from agent_inbox import ApprovalNeeded, Permit, Result, errors, handler
+from agent_inbox import ApprovalNeeded, Permit, Result, errors
+from agent_inbox.agent import handler
 from tests.test_operator_cli import run_cli, run_json
 
 

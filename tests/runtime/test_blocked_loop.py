@@ -86,7 +86,7 @@ def test_a_task_a_handler_starts_is_named_for_its_run():
     import threading
     import time
 
-    from agent_inbox import executors
+    from agent_inbox.services.worker import executors
 
     loop = executors.EventLoop()
     reports, done = [], threading.Event()

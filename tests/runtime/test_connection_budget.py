@@ -12,7 +12,9 @@ import signal
 
 import psycopg
 
-from agent_inbox import Inbox, migrate, pgserver
+from agent_inbox import Inbox
+from agent_inbox.schema import migrate
+from agent_inbox.dev import pgserver
 from tests.runtime.support import scalar, wait_until, worker_args
 from tests.runtime.test_agents import ConnectionSampler
 

@@ -11,9 +11,11 @@ import threading
 import psycopg
 import pytest
 
-from agent_inbox import Message, PermanentSendError, Result, citus
-from agent_inbox.dispatcher import Dispatcher
-from agent_inbox.store import bucketed, outbox
+from agent_inbox import Message, PermanentSendError, Result
+from agent_inbox.backend.citus import layout as citus
+from agent_inbox.services.dispatcher import Dispatcher
+from agent_inbox.backend.citus import statements as bucketed
+from agent_inbox.store import outbox
 from agent_inbox.store import keys
 from tests.races import Racers, wait_for_lock_waiters
 from tests.runtime.support import ROOT

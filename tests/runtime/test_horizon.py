@@ -14,7 +14,10 @@ import urllib.request
 import psycopg
 import pytest
 
-from agent_inbox import horizon, metrics, migrate, pgserver, schema
+from agent_inbox.services.worker import horizon
+from agent_inbox import metrics
+from agent_inbox.schema import migrate, model as schema
+from agent_inbox.dev import pgserver
 from tests.runtime.support import wait_until, worker_args
 from tests.runtime.test_metrics import sample
 

@@ -8,7 +8,7 @@ import pytest
 
 from agent_inbox import PermanentSendError, Result
 from agent_inbox.channels import ChannelError, HttpChannel
-from agent_inbox.dispatcher import Dispatcher
+from agent_inbox.services.dispatcher import Dispatcher
 
 T = 1_000_000
 

@@ -6,7 +6,7 @@ limiter's errors there too. Every wait is on database state, bounded."""
 
 import pytest
 
-from agent_inbox import limits
+from agent_inbox.api import limits
 from tests.runtime.support import scalar, stop_all, wait_until
 
 HANDLERS = "tests.runtime.limit_handlers"

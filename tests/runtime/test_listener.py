@@ -6,8 +6,8 @@ import threading
 
 import psycopg
 
-from agent_inbox import service
-from agent_inbox.service import Listener, Stop
+from agent_inbox.services import service
+from agent_inbox.services.service import Listener, Stop
 
 from tests.runtime.support import wait_until
 

@@ -56,7 +56,7 @@ def test_a_bad_max_memory_is_refused(database_url):
 def test_a_signal_during_a_recycle_is_the_graceful_first_one():
     """A recycle sets the stop event without a signal: the supervisor's SIGTERM
     that follows must not count as the second signal (which exits at once)."""
-    from agent_inbox.service import Stop
+    from agent_inbox.services.service import Stop
 
     stop = Stop()
     stop.event.set()                                     # as a recycle does

@@ -3,7 +3,7 @@
 import socket
 import urllib.request
 
-from agent_inbox.worker import Worker
+from agent_inbox.services.worker import Worker
 
 from tests.runtime.support import wait_until, worker_args
 

@@ -2,7 +2,7 @@
 applies its own --outbox-gap to users paced by a longer one (issue 20)."""
 
 from agent_inbox import Result
-from agent_inbox.dispatcher import Dispatcher
+from agent_inbox.services.dispatcher import Dispatcher
 
 T = 1_000_000
 

@@ -7,10 +7,10 @@ import asyncio
 import signal
 import threading
 
-from agent_inbox import blame, executors
-from agent_inbox.handler import Context
-from agent_inbox.runs import Run
-from agent_inbox.worker import InFlight
+from agent_inbox.services.worker import blame, executors
+from agent_inbox.agent.handler import Context
+from agent_inbox.api.runs import Run
+from agent_inbox.services.worker import InFlight
 from tests.runtime.support import scalar, wait_until
 
 HEALTHY = 30

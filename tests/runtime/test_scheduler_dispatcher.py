@@ -3,8 +3,8 @@
 import pytest
 
 from agent_inbox import Message, Result
-from agent_inbox.dispatcher import Dispatcher
-from agent_inbox.scheduler import Scheduler
+from agent_inbox.services.dispatcher import Dispatcher
+from agent_inbox.services.scheduler import Scheduler
 
 T = 1_000_000
 
@@ -83,7 +83,7 @@ def test_at_most_once_marks_before_sending(inbox):
 
 
 def test_a_service_loop_survives_a_failing_pass():
-    from agent_inbox.service import Stop, serve
+    from agent_inbox.services.service import Stop, serve
 
     stop, calls = Stop(), []
 

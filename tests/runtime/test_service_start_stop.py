@@ -33,7 +33,7 @@ def test_the_dispatcher_logs_its_start_and_stops_within_a_second_of_sigterm(
     for user in ("u0", "u1"):
         inbox.ingest(user, "chat", "1", {})
         assert inbox.finish_run(inbox.take_work("w"), Result(messages=["hello"]))
-    process = spawn("dispatcher", "--channel", "agent_inbox.examples:print_channel",
+    process = spawn("dispatcher", "--channel", "agent_inbox.dev.examples:print_channel",
                     "--database-url", database_url, "--log-level", "info",
                     "--poll-interval", "20")
     read_until_each(process, ["sent user=u0", "sent user=u1"])  # in whichever order it sends
@@ -45,7 +45,7 @@ def test_the_dispatcher_logs_its_start_and_stops_within_a_second_of_sigterm(
 
 
 def test_the_dispatcher_and_scheduler_log_a_start_line(database_url, spawn):
-    for service in (["dispatcher", "--channel", "agent_inbox.examples:print_channel"],
+    for service in (["dispatcher", "--channel", "agent_inbox.dev.examples:print_channel"],
                     ["scheduler"]):
         process = spawn(*service, "--database-url", database_url, "--log-level", "info")
         read_until_each(process, [f"{service[0]} started"])

@@ -6,7 +6,9 @@ import signal
 
 import psycopg
 
-from agent_inbox import Inbox, migrate, pgserver
+from agent_inbox import Inbox
+from agent_inbox.schema import migrate
+from agent_inbox.dev import pgserver
 
 from tests.runtime.support import H, read_until, scalar, wait_until, worker_args
 

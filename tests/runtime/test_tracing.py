@@ -21,9 +21,9 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import (  # noqa: E4
     InMemorySpanExporter)
 
 from agent_inbox import tracing  # noqa: E402
-from agent_inbox.dispatcher import Dispatcher  # noqa: E402
-from agent_inbox.ingest.app import build_app  # noqa: E402
-from agent_inbox.worker import Worker  # noqa: E402
+from agent_inbox.services.dispatcher import Dispatcher  # noqa: E402
+from agent_inbox.services.ingest.app import build_app  # noqa: E402
+from agent_inbox.services.worker import Worker  # noqa: E402
 from tests.runtime.support import ROOT  # noqa: E402
 from tests.test_ingest_server import MAX_BODY, SECRETS, github, serving  # noqa: E402
 
@@ -211,9 +211,9 @@ WITHOUT_OTEL = textwrap.dedent("""
 
     sys.meta_path.insert(0, Hidden())
     from agent_inbox import Inbox, tracing
-    from agent_inbox.dispatcher import Dispatcher
-    from agent_inbox.ingest.app import build_app
-    from agent_inbox.worker import Worker
+    from agent_inbox.services.dispatcher import Dispatcher
+    from agent_inbox.services.ingest.app import build_app
+    from agent_inbox.services.worker import Worker
     from tests.test_ingest_server import MAX_BODY, SECRETS, github, serving
 
     url, good, bad = sys.argv[1:]

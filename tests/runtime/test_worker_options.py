@@ -10,8 +10,8 @@ import threading
 import pytest
 
 from agent_inbox import InvalidInput
-from agent_inbox.handler import LeaseLost
-from agent_inbox.worker import Worker
+from agent_inbox.agent.handler import LeaseLost
+from agent_inbox.services.worker import Worker
 
 from tests.runtime.support import ROOT, worker_args
 

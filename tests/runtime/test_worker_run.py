@@ -9,7 +9,7 @@ import psycopg
 import pytest
 
 from agent_inbox.errors import DatabaseUnavailable
-from agent_inbox.worker import Worker
+from agent_inbox.services.worker import Worker
 
 from tests.runtime.support import wait_until
 

@@ -1,0 +1,135 @@
+"""The run path's two implementations behind one interface, chosen once.
+
+`Inbox` (inbox.py, runs.py, scheduling.py, delivery.py) says *what* a call
+does: it checks arguments, builds the rows and reads the answers. *How* the
+run path's transactions are cut is the `RunPath` it chose when it connected
+(`for_pool`), and nothing else in the package asks which database it is on:
+
+- `SetBased`, on one PostgreSQL server: a call about many users is one
+  set-based statement (or one pipeline) in one transaction: a take, a batch of
+  finishes, a renewal, a give-back. The `events_inserted` trigger makes each new
+  event's lease row and wake.
+- `PerBucket`, on a Citus coordinator (citus.py): every transaction is about
+  one bucket, so it runs on the one node that holds it (store/bucketed.py):
+  work is taken one bucket at a time, a run is finished in a transaction of its
+  own, and renewals, releases and give-backs are sent once per bucket. The code
+  that inserts events makes their lease rows and wakes (no trigger on Citus).
+  A worker node that does not answer holds up only its own users: work is
+  found on the nodes that answer (citus_nodes.NodeMap sets aside a node that timed
+  out a moment ago), and a take, a batch of finishes or a renewal that met a
+  silent node raises PartlyDone with what it did on the others.
+
+Both keep the same invariants (RULES.md; store/lease.py states the fence):
+every run-path transaction locks the lease rows it is about first, and a
+finish commits only behind its run's fence.
+"""
+
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from agent_inbox.backend.citus.path import PerBucket
+from agent_inbox.backend.plain import SetBased
+from agent_inbox.records import ClaimPolicy, Taken
+from agent_inbox.store import compaction, inbox, steps
+
+class RunPath(Protocol):
+    """What the run path's calls need from the database, whichever it is."""
+
+    distributed: bool
+    """True on a Citus coordinator (PerBucket)."""
+
+    adopts_held_messages: bool
+    """Whether a dispatcher looks for held messages of users with no delivery
+    due (queued by a worker older than the deliveries schema: never on Citus)."""
+
+    def groups(self, items: list, user_of: Callable[[Any], str]) -> list[list]:
+        """`items` in the groups a statement about several users is sent in."""
+
+    def ingest(self, user: str, insert: Callable[[Any], bool]) -> bool:
+        """Run `insert(conn)` (True if it stored an event of `user`) and make
+        the user's lease row and wake for a stored event."""
+
+    def events_inserted(self, conn, users: list[str]) -> None:
+        """In an open transaction that inserted events of `users`: their lease
+        rows and wakes, and the notification."""
+
+    def take(self, holder: str, users: int, ttl: int, policy: ClaimPolicy,
+             now: int | None) -> tuple[list[Taken], Exception | None]:
+        """Take up to `users` runs, longest waiting first: what was taken
+        (committed) and the failure that cut the take short (None if none)."""
+
+    def renew(self, holder: str, keys: list[tuple[str, int]], ttl: int,
+              now: int | None) -> set:
+        """The (user, gen) keys extended; PartlyDone if some are unknown."""
+
+    def release(self, conn, holder: str, keys: list[tuple[str, int]], now: int | None,
+                **options) -> list[str]:
+        """Expire held leases (store/lease.release's options); the users released."""
+
+    def held_by(self, conn, holder: str, now: int | None) -> list[tuple[str, int]]:
+        """The (user, gen) of the unexpired leases `holder` holds."""
+
+    def finish_one(self, finish: inbox.Finish, now: int | None) -> bool:
+        """One run's fenced finish, its lease kept."""
+
+    def finish_many(self, finishes: list[inbox.Finish], release: bool, now: int | None,
+                    writes_timers: list[bool], write_timers: Callable[[Any, int], None]
+                    ) -> list[bool]:
+        """Fenced finishes: a flag per finish; `write_timers(conn, i)` is called,
+        in the finish's transaction, for each accepted finish i that
+        `writes_timers[i]`."""
+
+    def in_groups(self, items: list, user_of: Callable[[Any], str],
+                  work: Callable[[Any, list], list]) -> list:
+        """`work(conn, group)` (an answer per item of the group, in its order)
+        in a transaction per group of `items`: the answers in the items' order.
+        PerBucket: a group whose node does not answer is left undone and the
+        others are done: PartlyDone, whose `done` holds the answers (None where
+        undone) and `unknown` the indices of the items left undone."""
+
+    def record_steps(self, records: list[steps.StepRecord], now: int | None) -> list[bool]:
+        """Step records behind their runs' fences: a flag per record (in_groups)."""
+
+    def hand_back(self, runs: list[tuple[str, str, int, bool]], now: int | None) -> list[str]:
+        """Give back runs (user, holder, gen, unfinished) whose handlers never
+        started; the users given back."""
+
+    def hand_back_orphans(self, holder: str, known: list[tuple[str, int]],
+                          now: int | None) -> list[str]:
+        """Give back every unexpired lease of `holder` but the `known` keys."""
+
+    def claim_due_deliveries(self, limit: int, now: int | None,
+                             claim: Callable[[Any, list[str]], list]) -> tuple[int, list]:
+        """Lock up to `limit` users whose delivery is due and `claim(conn,
+        users)` their batches in the same transaction: (users locked, batches)."""
+
+    def timer_firings(self, conn, now: int | None) -> list[Callable[[int | None, int], Any]]:
+        """The calls `fire(now, limit)` that fire due timers, each a batch per
+        transaction until it fires fewer than `limit`."""
+
+    def answer_approval(self, conn, user: str, request_id: str, answer: str,
+                        now: int | None) -> str:
+        """In an open transaction: store the answer unless expired; the one that stands."""
+
+    def repair_dead(self, conn, pairs: list[tuple[str, int]], requeue: bool, actor: str,
+                    now: int | None) -> list[dict]:
+        """In an open transaction: requeue or discard the dead events among
+        (user, id) pairs (store/admin.py); the rows repaired."""
+
+    def close(self) -> None:
+        """Close what the run path opened besides the pool (Inbox.close)."""
+
+    def compact(self, **options) -> list[compaction.Compaction] | None:
+        """Rewrite each table of compaction.TABLES without its dead tuples if
+        they call for it (store/compaction.py's options); None where it is
+        not done."""
+
+
+def for_pool(pool) -> RunPath:
+    """The run path for `pool`, as Inbox.connect marked it: `pool.citus` on a
+    Citus coordinator, and there `pool.connect_node` (a node's URL -> a new
+    connection) with `citus_nodes="direct"`: the take and finish calls then go
+    straight to their bucket's node (citus_nodes.NodePools)."""
+    if not getattr(pool, "citus", False):
+        return SetBased(pool)
+    return PerBucket(pool, getattr(pool, "connect_node", None))

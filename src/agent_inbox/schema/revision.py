@@ -1,0 +1,81 @@
+"""The schema revisions this code knows, and the check every service makes at
+start: refuse a database whose schema is older than this code needs.
+
+A database at a revision this code does not know is taken to be newer (a later
+release migrated it first, as a rolling upgrade does) and is accepted with a
+warning: migrations only add (columns, tables, indexes), so older code keeps
+working on a newer schema. Read with one query and no Alembic, so a worker
+starts without loading Alembic and SQLAlchemy; a test keeps KNOWN equal to the
+migrations tree (a new migration must be added here).
+"""
+
+import logging
+
+import psycopg
+
+from agent_inbox.backend.citus import layout as citus
+from agent_inbox import db, errors
+from agent_inbox.backend.citus import functions as delegated
+
+log = logging.getLogger("agent_inbox.revision")
+
+KNOWN = ("0001", "0002", "0003", "0004", "0005", "0006", "0007", "0008", "0009",
+         "0010", "0011", "0012")  # oldest first
+HEAD = KNOWN[-1]
+
+
+def current_revision(url: str, *, pooler: str = "none") -> str | None:
+    """The database's Alembic revision; None for a database never migrated."""
+    return _read(url, pooler, _revision)
+
+
+def _read(url: str, pooler: str, read):
+    try:
+        with psycopg.connect(url, autocommit=True, connect_timeout=10,
+                             **db.connect_options(pooler)) as conn:
+            return read(conn)
+    except psycopg.OperationalError as exc:
+        raise errors.DatabaseUnavailable(f"could not reach the database: {exc}") from None
+
+
+def _revision(conn: psycopg.Connection) -> str | None:
+    if conn.execute("SELECT to_regclass('alembic_version')").fetchone()[0] is None:
+        return None
+    row = conn.execute("SELECT version_num FROM alembic_version").fetchone()
+    return row[0] if row else None
+
+
+def _citus_functions(conn: psycopg.Connection) -> str | None:
+    """On a Citus coordinator: "missing" if the run path's functions
+    (store/delegated.py) are not all there (laid out by an older `migrate
+    --citus`), "other" if they differ from this code's; None if they are
+    this code's, or the database is not a Citus one."""
+    if not citus.is_distributed(conn):
+        return None
+    if not delegated.installed(conn):
+        return "missing"
+    return None if delegated.current(conn) else "other"
+
+
+def require_head(url: str, *, pooler: str = "none") -> None:
+    """Refuse to run services against a schema older than this code needs."""
+    current = current_revision(url, pooler=pooler)
+    if current == HEAD:
+        functions = _read(url, pooler, _citus_functions)
+        if functions == "missing":
+            raise errors.SchemaNotAtHead(
+                "this Citus database lacks the run path's functions of this agent-inbox: "
+                "run `agent-inbox migrate --citus` first")
+        if functions == "other":
+            log.warning("this Citus database's run path functions are not this agent-inbox's "
+                        "(another version's `migrate --citus`): going on with them; run "
+                        "`agent-inbox migrate --citus` to replace them (those of releases "
+                        "before plan_cache_mode grow every worker node session's memory)")
+        return
+    if current is None or current in KNOWN:
+        raise errors.SchemaNotAtHead(
+            f"database schema is at revision {current or 'none (empty database)'}, "
+            f"this agent-inbox needs {HEAD}: run `agent-inbox migrate` first"
+        )
+    log.warning("database schema is at revision %s, newer than this agent-inbox knows (%s): "
+                "going on, as migrations only add", current, HEAD)
