@@ -1,7 +1,8 @@
 """The rows agent-inbox hands back: plain, immutable records."""
 
 import operator
-from dataclasses import dataclass, fields
+import dataclasses
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 EVENT_STATUSES = ("pending", "running", "done", "dead")
@@ -126,6 +127,97 @@ class SendPolicy:
     max_attempts: int = 10
     backoff_base: int = 5
     backoff_cap: int = 300
+
+
+# --- a run's durable steps (store/steps.py) ------------------------------------
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """One step's result as a run records it: `result` is its JSON text."""
+
+    user: str
+    holder: str
+    gen: int
+    event_ids: tuple[int, ...]
+    position: int
+    name: str
+    occurrence: int
+    result: str
+
+
+@dataclass(frozen=True, slots=True)
+class RecordedStep:
+    """A recorded step as a later attempt (or an operator) reads it."""
+
+    position: int
+    name: str
+    occurrence: int
+    result: object  # the decoded JSON
+    event_ids: tuple[int, ...] = ()
+    holder: str = ""
+    gen: int = 0
+    recorded_at: int = 0
+
+    @property
+    def label(self) -> str:
+        """`name` for its first occurrence in the run, `name#2` for the second..."""
+        return self.name if self.occurrence == 1 else f"{self.name}#{self.occurrence}"
+
+
+# --- the outbox's sends (store/outbox.py) --------------------------------------
+
+
+@dataclass(frozen=True)
+class Batch:
+    """A claimed batch: send `text` under `key`, then report with `token`."""
+
+    user: str
+    batch: int
+    token: int
+    ids: list[int]
+    bodies: list[str]
+    traceparents: list[str | None] = field(default_factory=list)  # each message's (tracing.py)
+
+    @property
+    def key(self) -> str:
+        return f"{self.user}:{self.batch}"
+
+    @property
+    def text(self) -> str:
+        return "\n\n".join(self.bodies)
+
+
+@dataclass(frozen=True)
+class Failure:
+    batch: Batch
+    error: str
+    permanent: bool
+
+
+# --- compaction (store/compaction.py) ------------------------------------------
+
+# What a look at the table came to (Compaction.outcome).
+COMPACTED = "compacted"
+
+FEW_DEAD = "few dead tuples"
+
+NOT_HELD = "nothing holds the horizon back: VACUUM removes the dead tuples"
+
+BUSY = "another compactor is at work"
+
+NOT_GRANTED = "the table lock was not granted in time"
+
+
+@dataclasses.dataclass(frozen=True)
+class Compaction:
+    """What one look at a table found and did."""
+
+    table: str
+    outcome: str     # COMPACTED, FEW_DEAD, NOT_HELD, BUSY or NOT_GRANTED
+    dead: int        # dead tuples before (statistics: about a second behind)
+    live: int        # live tuples before (statistics)
+    kept: int | None = None  # the rows kept (counted), when compacted
 
 
 # A taken run as the store answers it:

@@ -9,7 +9,7 @@ from typing import Any
 from agent_inbox import db, errors, tracing, validate
 from agent_inbox.records import OutboxMessage
 from agent_inbox.store import outbox
-from agent_inbox.store.outbox import Batch, Failure
+from agent_inbox.records import Batch, Failure
 
 
 # Longest failure text recorded (a channel's error may quote a peer's whole body).
@@ -143,6 +143,13 @@ class Delivery:
                 with conn.transaction():
                     changed += outbox.repace(conn, group, self.outbox_gap, now)
         return changed
+
+    def adopt_held(self, *, now: int | None = None) -> int:
+        """Users with held messages and no delivery due (queued by a worker
+        older than the deliveries schema) made due now; how many. Only where
+        `adopts_held_messages` (one server: never on Citus)."""
+        with db.connection(self._pool) as conn:
+            return outbox.adopt_held(conn, now)
 
     def seconds_to_next_delivery(self, *, now: int | None = None) -> int | None:
         """Seconds until a user's delivery is next due (None: nothing held)."""

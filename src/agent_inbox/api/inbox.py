@@ -23,7 +23,7 @@ from agent_inbox.api.runs import Run, Runs
 from agent_inbox.api.scheduling import Scheduling
 from agent_inbox.store import admin, compaction, inbox, lease, outbox, retention, steps
 from agent_inbox.store import memory as memories
-from agent_inbox.store.steps import RecordedStep
+from agent_inbox.records import RecordedStep
 from agent_inbox.store.keys import user_key
 
 __all__ = ["Inbox", "Run"]

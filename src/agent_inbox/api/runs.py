@@ -25,7 +25,7 @@ from agent_inbox.records import Event
 from agent_inbox.agent.result import KEEP, ApprovalRequest, Message, Result, TimerRequest
 from agent_inbox.agent.steps import RunSteps
 from agent_inbox.store import approvals, inbox, steps, timers
-from agent_inbox.store.steps import RecordedStep, StepRecord
+from agent_inbox.records import RecordedStep, StepRecord
 
 
 @dataclass(frozen=True)

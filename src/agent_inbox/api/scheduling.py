@@ -83,6 +83,12 @@ class Scheduling:
         with db.connection(self._pool) as conn:
             return timers.list_timers(conn, user)
 
+    def next_timer(self, *, now: int | None = None) -> tuple[bool, int | None]:
+        """(a due timer is left, seconds until the next later one: None if
+        none): what a scheduler waits for after a pass."""
+        with db.connection(self._pool) as conn:
+            return timers.next_due(conn, now)
+
     def run_scheduler(self, *, now: int | None = None) -> int:
         """Turn every due timer, across all users, into an inbox event; the number
         fired. A timer whose firing raises is parked with its error (logged,

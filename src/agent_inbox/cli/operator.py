@@ -17,14 +17,13 @@ import sys
 import time
 
 from agent_inbox import db, errors, tables
+from agent_inbox.api import admin as admin_views
 from agent_inbox.cli import options
 from agent_inbox.records import EVENT_STATUSES
 from agent_inbox.store import admin, outbox, steps
 
 log = logging.getLogger("agent_inbox.operator")
 
-# Event ids per repair transaction; more than one chunk reports progress.
-CHUNK = 1000
 DEFAULT_LIMIT = 100
 
 
@@ -372,7 +371,7 @@ def cmd_dead_discard(args: argparse.Namespace, name: str) -> int:
 
 def _repair(args: argparse.Namespace, name: str, verb: str, done_word: str, note: str,
             apply) -> int:
-    """Resolve the ids to users, then apply `verb` to the dead ones, CHUNK ids
+    """Resolve the ids to users, then apply `verb` to the dead ones, admin_views.CHUNK ids
     per transaction; each chunk is audited on stderr once committed."""
     ids = sorted(set(args.ids))
     done: list[dict] = []
@@ -380,12 +379,12 @@ def _repair(args: argparse.Namespace, name: str, verb: str, done_word: str, note
         with db.connection(inbox.pool) as conn:
             found = admin.resolve(conn, ids, args.user)
         pairs = [(found[i][0], i) for i in ids if i in found]
-        for start in range(0, len(pairs), CHUNK):
-            rows = apply(inbox, pairs[start:start + CHUNK])  # a transaction each
+        for start in range(0, len(pairs), admin_views.CHUNK):
+            rows = apply(inbox, pairs[start:start + admin_views.CHUNK])  # a transaction each
             _audit(f"dead {verb}", rows)
             done += rows
-            if len(pairs) > CHUNK:
-                print(f"dead {verb}: {min(start + CHUNK, len(pairs))}/{len(pairs)} ids processed, "
+            if len(pairs) > admin_views.CHUNK:
+                print(f"dead {verb}: {min(start + admin_views.CHUNK, len(pairs))}/{len(pairs)} ids processed, "
                       f"{len(done)} {done_word}", file=sys.stderr, flush=True)
     done_ids = {row["id"] for row in done}
     left = [_left_alone(i, found.get(i), args.user) for i in ids if i not in done_ids]
@@ -531,20 +530,8 @@ def cmd_approve(args: argparse.Namespace, name: str) -> int:
         standing = inbox.answer_approval(args.user, args.request, args.answer, now=args.now)
     document = {"user": args.user, "request": args.request, "answer": args.answer,
                 "standing": standing, "stood": standing == args.answer}
-    options.emit(args, document, describe_answer(args.user, args.request, args.answer, standing))
+    options.emit(args, document, admin_views.describe_answer(args.user, args.request, args.answer, standing))
     return options.EXIT_UNKNOWN if standing == "unknown" else 0
-
-
-def describe_answer(user: str, request: str, answer: str, standing: str) -> str:
-    """What an approver is told after answering (the CLI and the console): the
-    answer that stands, and whether it is the one given."""
-    if standing == "unknown":
-        return f"unknown: user {user!r} has no approval request {request!r}"
-    if standing == answer:
-        return f"{standing}: the answer {standing!r} stands"
-    if standing == "expired":
-        return f"expired: the request's deadline passed; {answer!r} was not stored"
-    return f"{standing}: the answer {standing!r} already stood; {answer!r} was not stored"
 
 
 @options.reports_errors("prune")

@@ -21,12 +21,12 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from agent_inbox import db, errors, metrics, tracing, validate
+from agent_inbox import errors, metrics, tracing, validate
 from agent_inbox.api.delivery import describe
 from agent_inbox.api.inbox import Inbox
 from agent_inbox.services.service import Listener, Stop, Waker, serve, wake_on_stop
-from agent_inbox.store import notify, outbox
-from agent_inbox.store.outbox import Batch, Failure
+from agent_inbox import notify
+from agent_inbox.records import Batch, Failure
 
 log = logging.getLogger("agent_inbox.dispatcher")
 
@@ -216,8 +216,7 @@ class Dispatcher:
         never on Citus, which no such worker ran on)."""
         if not self.inbox.adopts_held_messages or time.monotonic() - self._adopted_at < ADOPT_EVERY:
             return
-        with db.connection(self.inbox.pool) as conn:
-            adopted = outbox.adopt_held(conn, now)
+        adopted = self.inbox.adopt_held(now=now)
         self._adopted_at = time.monotonic()
         if adopted:
             log.info("%d users with held messages and no delivery due: looked at now", adopted)

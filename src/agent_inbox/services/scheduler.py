@@ -9,10 +9,9 @@ timers another scheduler holds are retried after a short backoff, not at once.
 
 import logging
 
-from agent_inbox import db
 from agent_inbox.api.inbox import Inbox
 from agent_inbox.services.service import Listener, Stop, Waker, jittered, serve, wake_on_stop
-from agent_inbox.store import notify, timers
+from agent_inbox import notify
 
 log = logging.getLogger("agent_inbox.scheduler")
 
@@ -35,8 +34,7 @@ class Scheduler:
         fired = self.inbox.run_scheduler(now=now)
         if fired:
             log.info("fired %d timers", fired)
-        with db.connection(self.inbox.pool) as conn:
-            left, seconds = timers.next_due(conn, now)
+        left, seconds = self.inbox.next_timer(now=now)
         if not left:
             return seconds
         backoff = jittered(HELD_BACKOFF)

@@ -16,7 +16,7 @@ import json
 
 from psycopg.rows import dict_row
 
-from agent_inbox.store import notify
+from agent_inbox import notify
 from agent_inbox.store.clock import NOW
 from agent_inbox.store.keys import user_key, users_key
 

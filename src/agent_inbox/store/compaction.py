@@ -51,10 +51,10 @@ against soak_compact_leases_800_10min.json's baseline), while a burst of
 runs gains 8 % without compaction (bench/results/ab_30952a7.json).
 """
 
-import dataclasses
 
 import psycopg.errors
 
+from agent_inbox.records import BUSY, COMPACTED, FEW_DEAD, NOT_GRANTED, NOT_HELD, Compaction
 from agent_inbox.store import wake_rings
 
 # Asked for the table lock: the most any take, finish or ingest waits behind it.
@@ -107,25 +107,6 @@ BEGIN
 END
 $compact$
 """
-
-
-# What a look at the table came to (Compaction.outcome).
-COMPACTED = "compacted"
-FEW_DEAD = "few dead tuples"
-NOT_HELD = "nothing holds the horizon back: VACUUM removes the dead tuples"
-BUSY = "another compactor is at work"
-NOT_GRANTED = "the table lock was not granted in time"
-
-
-@dataclasses.dataclass(frozen=True)
-class Compaction:
-    """What one look at a table found and did."""
-
-    table: str
-    outcome: str     # COMPACTED, FEW_DEAD, NOT_HELD, BUSY or NOT_GRANTED
-    dead: int        # dead tuples before (statistics: about a second behind)
-    live: int        # live tuples before (statistics)
-    kept: int | None = None  # the rows kept (counted), when compacted
 
 
 def compact(conn, table: str, *, min_dead: int = MIN_DEAD, ratio: float = RATIO,

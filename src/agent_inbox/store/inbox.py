@@ -12,7 +12,8 @@ from dataclasses import dataclass
 from psycopg.rows import class_row
 
 from agent_inbox.records import ClaimPolicy, Event
-from agent_inbox.store import lease, notify, steps, wake_rings
+from agent_inbox import notify
+from agent_inbox.store import lease, steps, wake_rings
 from agent_inbox.store.clock import DB_CLOCK, NOW
 from agent_inbox.store.keys import user_key
 

@@ -30,12 +30,12 @@ again after it. So a held message is never left with no dispatcher due to look.
 """
 
 import random
-from dataclasses import dataclass, field
 
 from psycopg.rows import class_row, dict_row
 
+from agent_inbox.records import Batch, Failure
 from agent_inbox.records import OutboxMessage
-from agent_inbox.store import notify
+from agent_inbox import notify
 from agent_inbox.store.clock import NOW
 from agent_inbox.store.keys import user_key, users_key
 
@@ -121,26 +121,6 @@ SELECT c.user_id, c.batch, c.send_token, h.id, h.body, h.traceparent
  WHERE c.verdict = 'send' OR (c.verdict = 'resend' AND h.batch = c.batch)
  ORDER BY c.user_id, h.id
 """
-
-
-@dataclass(frozen=True)
-class Batch:
-    """A claimed batch: send `text` under `key`, then report with `token`."""
-
-    user: str
-    batch: int
-    token: int
-    ids: list[int]
-    bodies: list[str]
-    traceparents: list[str | None] = field(default_factory=list)  # each message's (tracing.py)
-
-    @property
-    def key(self) -> str:
-        return f"{self.user}:{self.batch}"
-
-    @property
-    def text(self) -> str:
-        return "\n\n".join(self.bodies)
 
 
 def claim(conn, users: list[str], *, gap: int, send_timeout: int, now: int | None) -> list[Batch]:
@@ -233,13 +213,6 @@ WITH clock AS (
 )
 SELECT user_id, batch, parked FROM recorded
 """
-
-
-@dataclass(frozen=True)
-class Failure:
-    batch: Batch
-    error: str
-    permanent: bool
 
 
 def _keys(batches: list[Batch]) -> dict:

@@ -21,44 +21,11 @@ batched record and load are sent once per bucket (store/bucketed.py's rule:
 one node's transaction each).
 """
 
-from dataclasses import dataclass
 
+from agent_inbox.records import RecordedStep, StepRecord
 from agent_inbox.store import lease
 from agent_inbox.store.clock import NOW
 from agent_inbox.store.keys import user_key, users_key
-
-
-@dataclass(frozen=True)
-class StepRecord:
-    """One step's result as a run records it: `result` is its JSON text."""
-
-    user: str
-    holder: str
-    gen: int
-    event_ids: tuple[int, ...]
-    position: int
-    name: str
-    occurrence: int
-    result: str
-
-
-@dataclass(frozen=True, slots=True)
-class RecordedStep:
-    """A recorded step as a later attempt (or an operator) reads it."""
-
-    position: int
-    name: str
-    occurrence: int
-    result: object  # the decoded JSON
-    event_ids: tuple[int, ...] = ()
-    holder: str = ""
-    gen: int = 0
-    recorded_at: int = 0
-
-    @property
-    def label(self) -> str:
-        """`name` for its first occurrence in the run, `name#2` for the second..."""
-        return self.name if self.occurrence == 1 else f"{self.name}#{self.occurrence}"
 
 
 def events_key(event_ids) -> str:

@@ -24,7 +24,8 @@ import psycopg
 
 from agent_inbox import cron, errors
 from agent_inbox.records import Timer
-from agent_inbox.store import inbox, notify
+from agent_inbox import notify
+from agent_inbox.store import inbox
 from agent_inbox.store.clock import DB_CLOCK, NOW
 from agent_inbox.store.keys import user_key
 

@@ -75,7 +75,8 @@ import psycopg
 from agent_inbox import errors
 from agent_inbox.backend.citus import statements as bucketed
 from agent_inbox.records import ClaimPolicy, Event
-from agent_inbox.store import lease, memory, notify, steps
+from agent_inbox import notify
+from agent_inbox.store import lease, memory, steps
 from agent_inbox.store.clock import DB_CLOCK, NOW
 from agent_inbox.store.inbox import (CLAIM_PLAN, CLAIM_RANKS, EVENT_COLUMNS, OPEN, Finish, claim_set,
                                     open_to_claim)

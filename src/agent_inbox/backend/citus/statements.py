@@ -55,7 +55,8 @@ import json
 import psycopg
 
 from agent_inbox.backend.citus import nodes as citus_nodes
-from agent_inbox.store import approvals, inbox, lease, notify, steps, timers
+from agent_inbox import notify
+from agent_inbox.store import approvals, inbox, lease, steps, timers
 from agent_inbox.store.clock import DB_CLOCK, NOW
 from agent_inbox.store.inbox import LOOK
 from agent_inbox.store.keys import user_key

@@ -10,7 +10,7 @@ Invariants:
 - everything shown is escaped (Jinja2 autoescape; payloads are attacker-made
   webhook bodies), and every response carries a Content-Security-Policy that
   allows only the console's own scripts, styles and images (no inline ones);
-- pages read through console/queries.py and the CLI's views: plain SELECTs,
+- pages read through api/admin.py (store/views.py and the CLI's views): plain SELECTs,
   never a lease row lock;
 - a bad parameter (a NUL, a number that is not ASCII digits or does not fit a
   bigint) is a 400 naming it, and every answer, a 500 included, carries the
@@ -37,14 +37,11 @@ from starlette.staticfiles import StaticFiles
 from starlette.templating import Jinja2Templates
 
 from agent_inbox import db, errors, tables, validate
+from agent_inbox.api import admin as views
 from agent_inbox.services.worker import horizon
-from agent_inbox.cli import operator
 from agent_inbox.services.console import auth
-from agent_inbox.store import views as queries
 from agent_inbox.services.console.auth import Authenticator, Principal
 from agent_inbox.services.ingest.logs import Throttle, shown
-from agent_inbox.store import admin, outbox, policies, stats, steps
-from agent_inbox.store import memory as memories
 
 log = logging.getLogger("agent_inbox.console")
 # At most this many failure lines a second (then "N more ... not logged").
@@ -61,7 +58,7 @@ SECURITY_HEADERS = [
     (b"cross-origin-opener-policy", b"same-origin"),
 ]
 MAX_FORM = 256 * 1024  # bytes of a POST body: a page of checkboxes fits many times over
-MAX_PICKS = operator.CHUNK  # rows one repair may name
+MAX_PICKS = views.CHUNK  # rows one repair may name
 DEAD_SHOWN = 200
 DECISIONS_SHOWN = 20
 
@@ -262,22 +259,22 @@ class Console:
 
     def overview(self, request, principal, form) -> Response:
         with db.connection(self.inbox.pool) as conn:
-            totals = queries.overview(conn)
-            minutes = stats.last_minutes(conn, 60)
+            totals = views.overview(conn)
+            minutes = views.last_minutes(conn, 60)
             held = horizon.read(conn).as_json()
         return self.render(request, principal, "overview.html", totals=totals,
                            hour=_sums(minutes), now=totals["now"], horizon=held)
 
     def overview_json(self, request, principal, form) -> Response:
         with db.connection(self.inbox.pool) as conn:
-            totals = queries.overview(conn)
-            minutes = stats.last_minutes(conn, 60)
+            totals = views.overview(conn)
+            minutes = views.last_minutes(conn, 60)
             held = horizon.read(conn).as_json()
         return JSONResponse({**totals, "hour": _sums(minutes), "horizon": held})
 
     def chart(self, request, principal, form) -> Response:
         with db.connection(self.inbox.pool) as conn:
-            minutes = stats.last_minutes(conn, 60)
+            minutes = views.last_minutes(conn, 60)
         svg = self.templates.get_template("chart.svg").render(**_chart(minutes))
         return Response(svg, media_type="image/svg+xml")
 
@@ -287,9 +284,9 @@ class Console:
         prefix = _param(request, "q")
         after = _param(request, "after")
         with db.connection(self.inbox.pool) as conn:
-            rows, now = queries.users(conn, prefix, after, queries.PAGE + 1)
-        more = len(rows) > queries.PAGE
-        rows = rows[:queries.PAGE]
+            rows, now = views.users(conn, prefix, after, views.PAGE + 1)
+        more = len(rows) > views.PAGE
+        rows = rows[:views.PAGE]
         next_after = rows[-1]["user"] if more else None
         return self.render(request, principal, "users.html", users=rows, q=prefix, after=after,
                            next_after=next_after, now=now)
@@ -298,19 +295,19 @@ class Console:
         user = _param(request, "u")
         before = _int("before", request.query_params.get("before"), 2**63 - 1)
         with db.connection(self.inbox.pool) as conn:
-            lease = queries.lease(conn, user)
-            events = queries.timeline(conn, user, before, queries.PAGE + 1)
-            runs = queries.runs(conn, user)
-            messages = queries.messages(conn, user)
-            timers, timers_total = admin.timers(conn, user, queries.PAGE, None)
-            approvals = queries.user_approvals(conn, user)
-            recorded = steps.list_steps(conn, user, queries.PAGE)
-            memory = memories.get(conn, user)
-            rules = policies.rules(conn, user)
-            defaults = policies.rules(conn, None)
-            decisions = policies.decisions(conn, user, DECISIONS_SHOWN)
-        more = len(events) > queries.PAGE
-        events = events[:queries.PAGE]
+            lease = views.lease(conn, user)
+            events = views.timeline(conn, user, before, views.PAGE + 1)
+            runs = views.runs(conn, user)
+            messages = views.messages(conn, user)
+            timers, timers_total = views.timers(conn, user, views.PAGE, None)
+            approvals = views.user_approvals(conn, user)
+            recorded = views.list_steps(conn, user, views.PAGE)
+            memory = views.memory(conn, user)
+            rules = views.rules(conn, user)
+            defaults = views.rules(conn, None)
+            decisions = views.decisions(conn, user, DECISIONS_SHOWN)
+        more = len(events) > views.PAGE
+        events = events[:views.PAGE]
         if memory is not None:  # measured as its limit is (validate.payload): compact JSON
             memory["size"] = len(json.dumps(memory["doc"], ensure_ascii=False,
                                             separators=(",", ":")).encode())
@@ -326,14 +323,14 @@ class Console:
 
     def dead(self, request, principal, form) -> Response:
         with db.connection(self.inbox.pool) as conn:
-            rows, total = admin.dead(conn, None, DEAD_SHOWN)
+            rows, total = views.dead(conn, None, DEAD_SHOWN)
         return self.render(request, principal, "dead.html", events=rows, total=total)
 
     def dead_confirm(self, request, principal, form) -> Response:
         action = _action(form, ("requeue", "discard"))
         pairs = _picked_events(form)
         with db.connection(self.inbox.pool) as conn:
-            rows = queries.dead_named(conn, pairs)
+            rows = views.dead_named(conn, pairs)
         return self.render(request, principal, "dead_confirm.html", action=action, events=rows,
                            gone=len(pairs) - len(rows))
 
@@ -353,14 +350,14 @@ class Console:
 
     def failed(self, request, principal, form) -> Response:
         with db.connection(self.inbox.pool) as conn:
-            rows, total = outbox.failed_batches(conn, None, DEAD_SHOWN)
+            rows, total = views.failed_batches(conn, None, DEAD_SHOWN)
         return self.render(request, principal, "outbox.html", batches=rows, total=total)
 
     def failed_confirm(self, request, principal, form) -> Response:
         action = _action(form, ("retry", "discard"))
         picked = _picked_batches(form)
         with db.connection(self.inbox.pool) as conn:
-            rows, _ = outbox.failed_batches(conn, None, DEAD_SHOWN)
+            rows, _ = views.failed_batches(conn, None, DEAD_SHOWN)
         rows = [r for r in rows if r["batch"] in picked]
         return self.render(request, principal, "outbox_confirm.html", action=action,
                            batches=rows, picked=sorted(picked))
@@ -381,7 +378,7 @@ class Console:
 
     def approvals(self, request, principal, form, notice: str | None = None) -> Response:
         with db.connection(self.inbox.pool) as conn:
-            rows = queries.unanswered(conn)
+            rows = views.unanswered(conn)
         return self.render(request, principal, "approvals.html", requests=rows, notice=notice)
 
     def answer(self, request, principal, form) -> Response:
@@ -390,7 +387,7 @@ class Console:
         standing = self.inbox.answer_approval(user, request_id, answer)
         log.info("console approval by %s: user=%s request=%s answer=%s standing=%s",
                  principal.actor, shown(user), shown(request_id), answer, standing)
-        notice = operator.describe_answer(user, request_id, answer, standing)
+        notice = views.describe_answer(user, request_id, answer, standing)
         return self.approvals(request, principal, form, notice=notice)
 
 
@@ -398,7 +395,7 @@ class Console:
 
     def default_policies(self, request, principal, form) -> Response:
         with db.connection(self.inbox.pool) as conn:
-            defaults = policies.rules(conn, None)
+            defaults = views.rules(conn, None)
         return self.render(request, principal, "policies.html", defaults=defaults)
 
     def policy_set(self, request, principal, form) -> Response:
@@ -406,9 +403,9 @@ class Console:
         (Inbox.set_policy: checked, audited as console:<name>)."""
         user = _policy_scope(form)
         tool = (_one(form, "tool") or "").strip()
-        answer = _action(form, policies.ANSWERS, field="answer")
+        answer = _action(form, views.ANSWERS, field="answer")
         expires_in = _duration("ask_expires_in", _one(form, "ask_expires_in"),
-                               policies.DEFAULT_ASK_EXPIRES_IN)
+                               views.DEFAULT_ASK_EXPIRES_IN)
         self.inbox.set_policy(tool, answer, user=user, ask_expires_in=expires_in,
                               actor=principal.actor)
         log.info("console policy set by %s: user=%s tool=%s answer=%s ask_expires_in=%d",
@@ -614,7 +611,7 @@ def _pretty(value) -> str:
 
 
 def _sums(minutes: list[dict]) -> dict:
-    return {name: sum(m[name] for m in minutes) for name in stats.FIELDS}
+    return {name: sum(m[name] for m in minutes) for name in views.RUN_STAT_FIELDS}
 
 
 # Two panels, each scaled to its own largest count: runs finished, and the

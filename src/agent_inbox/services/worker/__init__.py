@@ -49,14 +49,14 @@ from agent_inbox.api import limits
 from agent_inbox.api.inbox import Inbox
 from agent_inbox.agent.result import Result
 from agent_inbox.services.service import Listener, Stop, Waker, backoff_delays
-from agent_inbox.store import notify
+from agent_inbox import notify
 from agent_inbox.agent.app import as_app
 from agent_inbox.services.worker import compactor
 from agent_inbox.services.worker.completer import Completer, StepWork, WorkerJournal
 from agent_inbox.services.worker.flight import MOVES, Ending, Flights, InFlight, State
 from agent_inbox.services.worker.keeper import Keeper, rss_mib
 from agent_inbox.services.worker.producer import Producer
-from agent_inbox.services.worker.run_stats import RunStats
+from agent_inbox.api.run_stats import RunStats
 
 __all__ = ["POOL_SIZE", "Ending", "InFlight", "MOVES", "State", "StepWork", "Worker",
            "WorkerJournal", "holder_id", "rss_mib"]

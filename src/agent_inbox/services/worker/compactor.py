@@ -24,7 +24,7 @@ from collections.abc import Callable
 from agent_inbox.services.worker import horizon
 from agent_inbox import metrics
 from agent_inbox.api.inbox import Inbox
-from agent_inbox.store import compaction
+from agent_inbox import records
 
 log = logging.getLogger("agent_inbox.worker")
 
@@ -68,21 +68,21 @@ class Compactor(threading.Thread):
         if looks is None:
             return NOT_HERE
         for done in looks:
-            if done.outcome == compaction.COMPACTED:
+            if done.outcome == records.COMPACTED:
                 metrics.COMPACTIONS.labels(done.table, "compacted").inc()
                 log.debug("%s compacted: %d dead tuples dropped, %d rows kept", done.table,
                           done.dead, done.kept)
-            elif done.outcome == compaction.NOT_GRANTED:
+            elif done.outcome == records.NOT_GRANTED:
                 metrics.COMPACTIONS.labels(done.table, "lock_not_granted").inc()
             self._watch_refusals(done)
         return looks
 
-    def _watch_refusals(self, done: compaction.Compaction) -> None:
+    def _watch_refusals(self, done: records.Compaction) -> None:
         """Keep the refused-lock gauge and warning of `done.table` (see the module)."""
         table, now = done.table, self.clock()
-        if done.outcome == compaction.BUSY:  # another worker's compactor looks meanwhile
+        if done.outcome == records.BUSY:  # another worker's compactor looks meanwhile
             return
-        if done.outcome != compaction.NOT_GRANTED:
+        if done.outcome != records.NOT_GRANTED:
             if table in self._refused_since:
                 log.info("compaction of %s is no longer refused its lock (%s) after %.0f s",
                          table, done.outcome, now - self._refused_since.pop(table))

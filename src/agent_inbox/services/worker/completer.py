@@ -29,9 +29,9 @@ from agent_inbox.api.permissions import PermitAsk, RunPermits
 from agent_inbox.agent.result import Result
 from agent_inbox.api.runs import Outcome
 from agent_inbox.services.service import backoff_delays, jittered
-from agent_inbox.store.steps import RecordedStep, StepRecord
+from agent_inbox.records import RecordedStep, StepRecord
 from agent_inbox.services.worker.flight import Ending, Flights, InFlight
-from agent_inbox.services.worker.run_stats import RunStats
+from agent_inbox.api.run_stats import RunStats
 
 log = logging.getLogger("agent_inbox.worker")
 

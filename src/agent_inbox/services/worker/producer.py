@@ -20,7 +20,7 @@ from agent_inbox.services.service import Stop, Waker, backoff_delays, jittered
 from agent_inbox.agent.steps import RunSteps
 from agent_inbox.services.worker.completer import WorkerJournal, worker_permits
 from agent_inbox.services.worker.flight import Flights, InFlight
-from agent_inbox.services.worker.run_stats import RunStats
+from agent_inbox.api.run_stats import RunStats
 
 log = logging.getLogger("agent_inbox.worker")
 
