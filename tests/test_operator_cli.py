@@ -7,6 +7,7 @@ import json
 import psycopg
 import pytest
 
+from agent_inbox.api import admin as admin_views
 from agent_inbox.cli import operator
 from tests import races
 
@@ -288,7 +289,7 @@ def test_requeue_with_a_user_filter_leaves_other_users_alone(capsys, database_ur
 
 
 def test_requeue_and_discard_work_in_chunks(capsys, database_url, inbox, monkeypatch):
-    monkeypatch.setattr(operator, "CHUNK", 2)
+    monkeypatch.setattr(admin_views, "CHUNK", 2)
     ingest(inbox, "u", *[f"m-{i}" for i in range(5)])
     exhaust(inbox, "u", T)
     dead = ids_of(inbox, "u", "dead")

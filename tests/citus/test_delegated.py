@@ -1,5 +1,5 @@
 """The take and the finish on Citus are one call each, delegated to the
-worker node that holds the bucket (store/delegated.py): the coordinator
+worker node that holds the bucket (backend/citus/functions.py): the coordinator
 sends that node the call and nothing else, no BEGIN or COMMIT of its own and
 no statement of the function's body, for a take of several users and for a
 finish with messages, memory and a release. What the coordinator sends is
@@ -133,7 +133,7 @@ def test_on_the_buckets_node_a_warm_take_plans_nothing_per_user_and_a_finish_not
     """Inside the functions only PICK goes through Citus's full router planner
     (STALE too when PICK read past a wake it could not take: not here); the
     claim, the lease taken, the fence and the rest are fast-path statements
-    (store/delegated.py's docstring). A statement with a CTE over two tables
+    (backend/citus/functions.py's docstring). A statement with a CTE over two tables
     would be router-planned on every call, in the take's claim once per user
     taken."""
     bucket = keys.bucket("u0")
@@ -255,7 +255,7 @@ def test_a_finish_naming_an_event_its_run_does_not_hold_is_refused_on_every_path
             with conn.transaction():
                 delegated.finish(conn, mixed, None, release=True)
         assert conn.info.transaction_status == psycopg.pq.TransactionStatus.IDLE
-    # the run path's finish with timers: in a transaction with them (run_path.py)
+    # the run path's finish with timers: in a transaction with them (backend/path.py)
     run = inbox._as_runs("w", [(user, gen, 0, 0, 0, None,
                                 [*events, *(e for e in inbox.events(user) if e.id == other)])])[0]
     timed = inbox.outcome(run, Result(timers=[TimerRequest("t", due=60)]))

@@ -3,7 +3,7 @@ users x 20 events exactly once while workers are killed (SIGKILL to the whole
 process group: the supervisor, the runtime and its quarantine children, as a
 host that loses power), each replaced by a new one. Every take goes one
 bucket at a time and every finish is one node's transaction
-(store/bucketed.py); a killed worker's users come back when their leases
+(backend/citus/statements.py); a killed worker's users come back when their leases
 (3 s) run out."""
 
 import os

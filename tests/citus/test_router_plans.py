@@ -1,5 +1,5 @@
 """Every statement of the run path, sent as the Citus code path sends it (those
-the take and finish functions run on a node, store/delegated.py; the
+the take and finish functions run on a node, backend/citus/functions.py; the
 statements about one user, or one bucket's users, as written: each names its
 bucket, store/keys.py), is planned by Citus as a router query: one task, on
 one node, no distributed subplan pulled through the coordinator (a value the

@@ -1,6 +1,6 @@
 """Tracing on the Citus cluster (tests/runtime/test_tracing.py's tests, run
 here unchanged): the traceparent stored with each event, carried by its run
-to the outbox row, through the routed statements of store/bucketed.py."""
+to the outbox row, through the routed statements of backend/citus/statements.py."""
 
 import pytest
 

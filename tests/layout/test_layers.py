@@ -197,3 +197,24 @@ def test_the_check_reads_relative_imports(tmp_path, text):
                            "store/lease.py": text.replace(". import", "..api import")
                            .replace(".inbox", "..api.inbox")})
     assert violations(src) == ["store.lease -> api.inbox (layer 4 above 2)"]
+
+
+def test_the_documented_layout_names_every_module():
+    """docs/internals.md's Layout block names each package and each module of
+    the tree (a module of a package by its file name, on its package's line or
+    after it), so the page cannot drift from the tree."""
+    page = (ROOT / "docs" / "internals.md").read_text()
+    block = page[page.index("## Layout"):]
+    block = block[block.index("```") + 3:]
+    block = block[:block.index("```")]
+    missing = []
+    for path in sorted(SRC.rglob("*.py")):
+        relative = path.relative_to(SRC)
+        if relative.name == "__init__.py" or "migrations" in relative.parts:
+            if relative.name == "__init__.py" and len(relative.parts) > 1 \
+                    and f"{relative.parts[-2]}/" not in block:
+                missing.append(str(relative.parent) + "/")
+            continue
+        if path.stem not in block:
+            missing.append(str(relative))
+    assert missing == []

@@ -10,7 +10,7 @@ import threading
 import pytest
 
 from agent_inbox import InvalidInput
-from agent_inbox.agent.handler import LeaseLost
+from agent_inbox.agent.handler import LeaseLostSignal
 from agent_inbox.services.worker import Worker
 
 from tests.runtime.support import ROOT, worker_args
@@ -52,7 +52,7 @@ def test_the_worker_command_exits_2_on_a_bad_run_timeout(database_url, spawn):
 
 
 def test_lease_lost_wakes_a_coroutine_and_a_thread_when_set_from_another_thread():
-    lost = LeaseLost()
+    lost = LeaseLostSignal()
     seen = []
 
     async def agent():
@@ -66,7 +66,7 @@ def test_lease_lost_wakes_a_coroutine_and_a_thread_when_set_from_another_thread(
     asyncio.run(agent())
     assert seen == [True, True]
     assert lost.is_set() and lost.wait(0)
-    assert not LeaseLost().wait(0.01)
+    assert not LeaseLostSignal().wait(0.01)
 
 
 async def _await(lost):

@@ -65,7 +65,7 @@ class Inbox(Runs, Scheduling, Delivery, Permissions):
         self.max_memory_bytes = validate.positive_int("max_memory_bytes", max_memory_bytes)
         self._pool = pool
         # How the run path's transactions are cut: set-based on one server,
-        # one bucket per transaction on a Citus coordinator (run_path.py).
+        # one bucket per transaction on a Citus coordinator (backend/path.py).
         self._path = run_path.for_pool(pool)
 
     @classmethod

@@ -11,7 +11,7 @@ own fence: a refused run writes nothing, the others commit.
 How each call's transactions are cut (one set-based statement on one server,
 one bucket per transaction on Citus, where a silent worker node makes a take, a
 batch of finishes or a renewal raise PartlyDone with what it did on the
-others) is the Inbox's RunPath (run_path.py).
+others) is the Inbox's RunPath (backend/path.py).
 """
 
 import asyncio

@@ -9,8 +9,8 @@ run path's transactions are cut is the `RunPath` it chose when it connected
   set-based statement (or one pipeline) in one transaction: a take, a batch of
   finishes, a renewal, a give-back. The `events_inserted` trigger makes each new
   event's lease row and wake.
-- `PerBucket`, on a Citus coordinator (citus.py): every transaction is about
-  one bucket, so it runs on the one node that holds it (store/bucketed.py):
+- `PerBucket`, on a Citus coordinator (backend/citus/): every transaction is about
+  one bucket, so it runs on the one node that holds it (backend/citus/statements.py):
   work is taken one bucket at a time, a run is finished in a transaction of its
   own, and renewals, releases and give-backs are sent once per bucket. The code
   that inserts events makes their lease rows and wakes (no trigger on Citus).

@@ -47,7 +47,7 @@ def _revision(conn: psycopg.Connection) -> str | None:
 
 def _citus_functions(conn: psycopg.Connection) -> str | None:
     """On a Citus coordinator: "missing" if the run path's functions
-    (store/delegated.py) are not all there (laid out by an older `migrate
+    (backend/citus/functions.py) are not all there (laid out by an older `migrate
     --citus`), "other" if they differ from this code's; None if they are
     this code's, or the database is not a Citus one."""
     if not citus.is_distributed(conn):

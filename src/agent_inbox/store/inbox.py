@@ -126,7 +126,7 @@ def low_water(user: str, lease: str = "l", rings: str | None = wake_rings.LIVE,
 # against the snapshot's (status, attempts), so a stale row is never claimed.
 #
 # The claim's shared parts, one spelling for this statement and for the Citus
-# take (store/delegated.py), which reads a user's open rows and writes their
+# take (backend/citus/functions.py), which reads a user's open rows and writes their
 # new states in separate single-table statements:
 # open_to_claim: the rows a claim in generation `gen` looks at (an event's
 # alias `e`); CLAIM_RANKS: what `plan` needs of each (beside `run.now`);
@@ -238,7 +238,7 @@ def claimable(user: str, now: str, *, bucket: str | None = None,
     """The claim's rule as finding work applies it, written once for both run
     paths: the user `user` has an open event claimable at `now`, a fresh one
     at once, a retry once its backoff is due (SQL expressions; `bucket` names
-    the user's bucket where rows are found by it: store/bucketed.py; `from_id`
+    the user's bucket where rows are found by it: backend/citus/statements.py; `from_id`
     the user's `low_water` where the run path keeps one: a bound of the index
     scan, so the EXISTS is kept a subplan (OFFSET 0), never made a semi-join
     that filters on it row by row)."""

@@ -1,7 +1,7 @@
 """A user's memory (table `memory`): one JSON document an agent keeps between runs.
 
 Invariant: the document changes only in a transaction that holds the user's
-lease row: a run's fenced finish (store/inbox.py FINISH, store/bucketed.py's
+lease row: a run's fenced finish (store/inbox.py FINISH, backend/citus/statements.py's
 finish), whose fence refuses a stale run, or an operator's change made while no
 run holds the lease (OPERATOR_LOCK). So a stale run can never overwrite a newer
 run's memory, and an operator's change is never overwritten by a run that read

@@ -17,7 +17,7 @@ as a CTE of store/inbox.py's FINISH): none of those sets can be claimed whole
 again.
 
 On Citus every statement here names one user or one bucket's users; the
-batched record and load are sent once per bucket (store/bucketed.py's rule:
+batched record and load are sent once per bucket (backend/citus/statements.py's rule:
 one node's transaction each).
 """
 

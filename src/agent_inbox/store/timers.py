@@ -258,7 +258,7 @@ def fire_every(conn, user, timer_id, due, every, missed, cap, payload, event_sou
     """Fire one locked one-off or `every` timer and advance it, by FIRE_DUE's
     rules for one row (the occurrences, their keys and payloads, the next due
     time), with Python doing the arithmetic; the occurrences skipped. For Citus,
-    which cannot run FIRE_DUE as one statement (store/bucketed.py)."""
+    which cannot run FIRE_DUE as one statement (backend/citus/statements.py)."""
     skipped = 0 if every is None else (now_db - due) // every
     emitted = range(min(skipped, cap - 1) if missed == "catch_up" else 0, -1, -1)
     rows = []

@@ -7,7 +7,7 @@ them. Here each of the take and the finish is one call: `agent_inbox_take(bucket
 ...)` and `agent_inbox_finish(bucket, ...)` are PL/pgSQL functions distributed
 by their first argument, co-located with `leases` and forced to delegate
 (`create_distributed_function(..., force_delegation => true)`): the
-coordinator, or a worker node called directly (run_path.py's direct mode),
+coordinator, or a worker node called directly (backend/path.py's direct mode),
 sends the call to the node holding `bucket`, and the function's statements
 run there against its local shards.
 

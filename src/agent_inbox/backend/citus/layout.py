@@ -71,7 +71,7 @@ KEYS = (
 
 
 # A take reads one bucket's due wakes in order, a dispatcher one bucket's due
-# deliveries (store/bucketed.py).
+# deliveries (backend/citus/statements.py).
 BUCKET_INDEXES = (
     "CREATE INDEX ix_wakes_bucket_at ON wakes (bucket, at, id)",
     "CREATE INDEX ix_deliveries_bucket_due_at ON deliveries (bucket, due_at)"

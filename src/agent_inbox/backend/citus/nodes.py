@@ -200,7 +200,7 @@ class NodePools:
     most `wait` seconds) for one to come back, as a pool's would: a session
     opened for one call and closed after it would cost the node a backend's
     start, Citus's metadata cache and the functions' compiled plans each time
-    (store/delegated.py), more than the call.
+    (backend/citus/functions.py), more than the call.
 
     Not a psycopg_pool: a call about a node that refuses connections fails at
     once, as it does through the coordinator (a pool waits out its timeout for

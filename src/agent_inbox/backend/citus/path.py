@@ -72,7 +72,7 @@ class PerBucket:
     def take(self, holder, users, ttl, policy, now):
         """The buckets with due wakes, longest waiting first (read per node, no
         lock; with `citus_nodes="direct"` on each node itself), each taken from
-        in one call on its node (store/delegated.py: a transaction of its own)
+        in one call on its node (backend/citus/functions.py: a transaction of its own)
         until `users` are taken. A take whose commit
         failed may have taken runs unseen, as anywhere: the caller gives back
         orphans."""
@@ -145,7 +145,7 @@ class PerBucket:
 
     def finish_many(self, finishes, release, now, writes_timers, write_timers):
         """Each run's finish in a transaction of its own (one node): one call
-        (store/delegated.py), with the run's timers in the same transaction if
+        (backend/citus/functions.py), with the run's timers in the same transaction if
         it writes any. A run whose node does not answer (or that deadlocks)
         commits nothing and the others commit: PartlyDone, whose `done` has a
         flag per finish, None where nothing was committed."""
@@ -247,7 +247,7 @@ class PerBucket:
         return looked, batches
 
     def timer_firings(self, conn, now):
-        """One bucket's timers per transaction (store/bucketed.py)."""
+        """One bucket's timers per transaction (backend/citus/statements.py)."""
         return [lambda now, limit, bucket=bucket: bucketed.fire_timers(conn, bucket, now, limit)
                 for bucket in bucketed.due_timer_buckets(conn, self._nodes, now,
                                                          self._node_pools)]

@@ -1,7 +1,7 @@
 """The Citus code path: every statement here is one router query (one shard,
 one node, planned and run there in one piece, with one snapshot), and every
 transaction it makes is on one node. The take's and the finish's statements
-run inside functions on the bucket's node (store/delegated.py: one call each);
+run inside functions on the bucket's node (backend/citus/functions.py: one call each);
 the others are sent from the coordinator.
 
 Citus runs a statement in one piece only if every distributed table it
@@ -18,7 +18,7 @@ answer holds up only its own users: the reads skip it, and every transaction
 here is about one bucket, on one node.
 
 * **take** (one bucket, one transaction; TAKE_WORK; its steps after STALE
-  are store/delegated.py's): PICK locks, in wake order, the free leases of
+  are backend/citus/functions.py's): PICK locks, in wake order, the free leases of
   users with claimable work (SKIP LOCKED); STALE locks the leases of the users
   whose due wakes PICK read past and cannot take, and says when each is next
   due; then the picked leases are taken, exactly the wakes PICK and STALE read
@@ -26,7 +26,7 @@ here is about one bucket, on one node.
   theirs to delete), the next wakes are inserted, and each taken user's events
   are claimed.
 * **finish** (one run, one transaction, its lease row locked first;
-  store/delegated.py's FINISH): the run's fence is checked and, if it holds,
+  backend/citus/functions.py's FINISH): the run's fence is checked and, if it holds,
   its events are closed, the lease released and the user's wakes deleted;
   then its messages, the delivery due time and its timers; then, in a later
   snapshot, a wake now if the run failed or other events are open.
