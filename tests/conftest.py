@@ -3,9 +3,16 @@ fixtures of agent-inbox's own pytest plugin (agent_inbox.testing, which users'
 tests get too): the server from AGENT_INBOX_TEST_DATABASE_URL, else a
 testcontainers PostgreSQL when a Docker engine answers a quick probe, else a
 throwaway cluster from the local PostgreSQL binaries; each test a fresh
-database copied from a migrated template, dropped after; `inbox` and
-`make_inbox` on it. Here under the names the suite uses (`server_url`,
-`database_url`).
+database copied from a migrated template, dropped after. Here under the
+names the suite uses (`server_url`, `database_url`).
+
+`inbox` (pool_size 4) and `make_inbox` (pool_size 1 unless given) are defined
+here once, for every folder: on `inbox_url` with `inbox_options`. A folder's
+conftest overrides only those, where its code under test reaches the database
+another way: tests/behind_pgbouncer (through its PgBouncer, pooler=
+"transaction"), tests/citus (`database_url`: the Citus database) and
+tests/contract (all three, from its `backend`); `inbox_on_citus` says what
+`inbox` must find when it opens (None: not checked).
 
 `citus_cluster` (session) is the one Citus cluster of the session (a
 coordinator and two worker nodes), shared by tests/citus and the contract
@@ -15,8 +22,11 @@ each test (migrating and laying out a database takes 10-20 s; emptying one,
 about a second).
 """
 
+import contextlib
+
 import pytest
 
+from agent_inbox import Inbox
 from agent_inbox.dev import pgserver
 
 
@@ -71,6 +81,43 @@ def server_url(agent_inbox_server):
 def database_url(agent_inbox_database):
     """A fresh, migrated database for this test alone."""
     return agent_inbox_database
+
+
+@pytest.fixture
+def inbox_url(database_url):
+    """The URL the code under test reaches the test's database by."""
+    return database_url
+
+
+@pytest.fixture
+def inbox_options():
+    """What every Inbox of the test is opened with (pooler=, citus_nodes=, ...)."""
+    return {}
+
+
+@pytest.fixture
+def inbox_on_citus():
+    """Whether `inbox` must be on a Citus coordinator (asserted as it opens); None: either."""
+    return None
+
+
+@pytest.fixture
+def inbox(inbox_url, inbox_options, inbox_on_citus):
+    with Inbox.connect(inbox_url, pool_size=4, **inbox_options) as opened:
+        if inbox_on_citus is not None:
+            assert opened.citus == inbox_on_citus
+        yield opened
+
+
+@pytest.fixture
+def make_inbox(inbox_url, inbox_options):
+    """Open more Inbox objects on the test's database (one per simulated process)."""
+    with contextlib.ExitStack() as stack:
+        def make(**options) -> Inbox:
+            options.setdefault("pool_size", 1)
+            return stack.enter_context(Inbox.connect(inbox_url, **{**inbox_options, **options}))
+
+        yield make
 
 
 @pytest.fixture

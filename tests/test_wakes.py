@@ -4,7 +4,12 @@ or finish deletes only the wakes its own snapshot shows.
 
 The races are held in place by a row lock on a wake: the take (or finish) has
 taken its snapshot and waits to delete the wakes it saw while an ingest for the
-same user commits; its wake must survive, and the user be taken."""
+same user commits; its wake must survive, and the user be taken.
+
+What a caller sees of it (a user taken again as soon as its run ends or is
+released, a crashed run's when its lease expires) is in
+tests/contract/test_lease_claim_finish.py, on every backend; these tests read
+and lock the wakes table itself, as the plain backend's TAKE_WORK keeps it."""
 
 import psycopg
 
@@ -65,25 +70,6 @@ def test_an_ingest_committing_while_a_finish_releases_keeps_its_wake(database_ur
     assert again is not None and [e.source_id for e in again.events] == ["2"]
 
 
-def test_a_message_during_a_run_is_taken_as_soon_as_the_run_ends(inbox):
-    inbox.ingest("u", "chat", "1", {})
-    run = inbox.take_work("H", now=T)
-    inbox.ingest("u", "chat", "2", {})
-    assert inbox.take_work("H2", now=T) is None              # the lease is held
-    assert inbox.finish_run(run, Result(), now=T)            # released in the same commit
-    again = inbox.take_work("H2", now=T)
-    assert again is not None and [e.source_id for e in again.events] == ["2"]
-
-
-def test_a_crashed_run_is_taken_again_when_its_lease_expires(make_inbox):
-    inbox = make_inbox(lease_ttl=TTL)
-    inbox.ingest("u", "chat", "1", {})
-    run = inbox.take_work("H", now=T)                        # then the worker dies
-    assert inbox.take_work("H2", now=T + TTL) is None        # the lease is valid to its end
-    again = inbox.take_work("H2", now=T + TTL + 1)
-    assert (again.user, again.gen, again.unfinished) == ("u", run.gen + 1, 1)
-
-
 def test_a_held_lease_is_looked_at_again_at_its_end_not_before(database_url, make_inbox):
     inbox = make_inbox(lease_ttl=TTL)
     gen = inbox.acquire("u", "api", now=T)                   # held by an API caller
@@ -126,17 +112,6 @@ def test_a_user_with_no_work_left_has_no_wake(database_url, inbox):
     inbox.ingest("u", "chat", "1", {})
     assert inbox.finish_run(inbox.take_work("H", now=T), Result(), now=T)
     assert wakes(database_url, "u") == []
-
-
-def test_a_released_run_is_taken_again_at_once_not_at_its_lease_end(make_inbox):
-    """On the database's clock (no `now`), so the take's own wake, at the lease's
-    end an hour away, cannot stand in for the release's."""
-    inbox = make_inbox(lease_ttl=3600)
-    inbox.ingest("u", "chat", "1", {})
-    run = inbox.take_work("H")
-    assert inbox.release_runs([run], error="stopped at shutdown") == ["u"]
-    again = inbox.take_work("H2")
-    assert (again.user, again.gen, again.unfinished) == ("u", run.gen + 1, 1)
 
 
 def test_a_take_reads_past_held_users_to_a_free_one_and_puts_them_off_to_their_lease_end(

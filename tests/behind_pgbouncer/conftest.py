@@ -3,19 +3,17 @@
 
 `bouncer` is one PgBouncer per test module, with the module's POOL_SIZE server
 connections per database (default 4); `bounced_url` is the test's database
-through it. `inbox` and `make_inbox` override tests/conftest.py's: the code
-under test goes through PgBouncer with pooler="transaction", while the tests'
-own probes (lock holders, pg_stat_activity, result queries) use `database_url`,
-the direct connection, so they take none of the pool's few server connections.
+through it. `inbox_url` and `inbox_options` override tests/conftest.py's, so
+that its `inbox` and `make_inbox` are on it: the code under test goes through
+PgBouncer with pooler="transaction", while the tests' own probes (lock
+holders, pg_stat_activity, result queries) use `database_url`, the direct
+connection, so they take none of the pool's few server connections.
 Tests that hold on every backend belong in tests/contract (its "pgbouncer"
 backend), not here.
 """
 
-import contextlib
-
 import pytest
 
-from agent_inbox import Inbox
 from tests import pgbouncer
 from tests.runtime.conftest import spawn  # noqa: F401 -- the fleet test's processes
 
@@ -38,16 +36,10 @@ def bounced_url(bouncer, database_url):
 
 
 @pytest.fixture
-def inbox(bounced_url):
-    with Inbox.connect(bounced_url, pool_size=4, pooler="transaction") as opened:
-        yield opened
+def inbox_url(bounced_url):
+    return bounced_url
 
 
 @pytest.fixture
-def make_inbox(bounced_url):
-    with contextlib.ExitStack() as stack:
-        def make(**options) -> Inbox:
-            options.setdefault("pool_size", 1)
-            return stack.enter_context(Inbox.connect(bounced_url, pooler="transaction", **options))
-
-        yield make
+def inbox_options():
+    return {"pooler": "transaction"}

@@ -10,15 +10,14 @@ migrated with `migrate --citus`'s steps, the ordinary migrations then
 citus.distribute, once), emptied for it. A test that needs a database of its
 own says so with `fresh_citus_database` (on whichever `citus_cluster` it
 sees), and one that lays a database out itself makes its own. `inbox` and
-`make_inbox` override tests/conftest.py's.
+`make_inbox` are tests/conftest.py's, on `database_url` (overridden here, and
+by a module that takes a fresh database); `inbox_on_citus` has `inbox` checked
+to be on the coordinator.
 Tests that hold on every backend belong in tests/contract, not here.
 """
 
-import contextlib
-
 import pytest
 
-from agent_inbox import Inbox
 from tests.citus.support import distributed_database
 
 
@@ -38,17 +37,5 @@ def fresh_citus_database(citus_cluster):
 
 
 @pytest.fixture
-def inbox(database_url):
-    with Inbox.connect(database_url, pool_size=4) as opened:
-        assert opened.citus
-        yield opened
-
-
-@pytest.fixture
-def make_inbox(database_url):
-    with contextlib.ExitStack() as stack:
-        def make(**options) -> Inbox:
-            options.setdefault("pool_size", 1)
-            return stack.enter_context(Inbox.connect(database_url, **options))
-
-        yield make
+def inbox_on_citus():
+    return True

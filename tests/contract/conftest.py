@@ -28,7 +28,9 @@ Fixtures, derived from the backend:
   "pgbouncer", else `direct_url`); `inbox_options`: what an Inbox needs on it
   ({"pooler": "transaction"} on "pgbouncer"; on "citus", `citus_nodes="direct"`:
   tests/citus covers the calls through the coordinator).
-- `inbox` (pool_size 4) and `make_inbox` (pool_size 1 unless given) on it.
+- `inbox` (pool_size 4, checked to be on Citus exactly on "citus":
+  `inbox_on_citus`) and `make_inbox` (pool_size 1 unless given) on it:
+  tests/conftest.py's, which use these two fixtures.
 
 PgBouncers are started once per session, one per pool size (server
 connections per database): 4 unless a test or module says
@@ -39,7 +41,6 @@ import contextlib
 
 import pytest
 
-from agent_inbox import Inbox
 from tests import pgbouncer
 
 BACKENDS = ("plain", "pgbouncer", "citus")
@@ -122,18 +123,5 @@ def inbox_url(backend, direct_url, request):
 
 
 @pytest.fixture
-def inbox(backend, inbox_url, inbox_options):
-    with Inbox.connect(inbox_url, pool_size=4, **inbox_options) as opened:
-        assert opened.citus == (backend == "citus")
-        yield opened
-
-
-@pytest.fixture
-def make_inbox(inbox_url, inbox_options):
-    """Open more Inbox objects on the test's database (one per simulated process)."""
-    with contextlib.ExitStack() as stack:
-        def make(**options) -> Inbox:
-            options.setdefault("pool_size", 1)
-            return stack.enter_context(Inbox.connect(inbox_url, **{**inbox_options, **options}))
-
-        yield make
+def inbox_on_citus(backend):
+    return backend == "citus"
