@@ -54,6 +54,7 @@ class PgBouncer:
         self.port = _free_port()
         self.root = Path(tempfile.mkdtemp(prefix="agent-inbox-pgbouncer-"))
         self.process: subprocess.Popen | None = None
+        self._stderr = None
 
     def _config(self) -> str:
         host, port = self.server
@@ -87,7 +88,12 @@ class PgBouncer:
             for path in self.root.iterdir():
                 shutil.chown(path, user=account.pw_uid, group=account.pw_gid)
             command[1:1] = ["-u", "postgres"]
-        self.process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+        # stderr to a file, never a pipe: pgbouncer writes every log line there too
+        # (about 300 bytes per client login), and a pipe nobody reads fills after
+        # a few hundred logins; pgbouncer then blocks on the write and stops
+        # answering (the contract suite's session PgBouncers see thousands)
+        self._stderr = open(self.root / "stderr.txt", "wb")
+        self.process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=self._stderr,
                                         start_new_session=True)
         self._wait_until_it_answers()
         return self
@@ -96,7 +102,7 @@ class PgBouncer:
         deadline = time.monotonic() + START_TIMEOUT
         while True:
             if self.process.poll() is not None:
-                error = self.process.stderr.read().decode(errors="replace")
+                error = (self.root / "stderr.txt").read_text(errors="replace")
                 self.stop()
                 raise RuntimeError(f"pgbouncer exited with {self.process.returncode}: {error}"
                                    f"{self.log()}")
@@ -126,8 +132,8 @@ class PgBouncer:
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait(timeout=10)
-        if self.process is not None:
-            self.process.stderr.close()
+        if self._stderr is not None:
+            self._stderr.close()
         shutil.rmtree(self.root, ignore_errors=True)
 
     def __enter__(self) -> "PgBouncer":
