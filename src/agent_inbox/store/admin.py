@@ -158,6 +158,21 @@ DEAD_TARGETS = """
        FOR UPDATE OF e"""
 
 
+# What a repair of a dead event records in operator_actions' detail: each key
+# and the column of the event row, as it was, that it holds (here, and per
+# bucket in backend/citus/statements.py).
+REQUEUE_DETAIL = {"source": "source", "source_id": "source_id",
+                  "previous_attempts": "attempts", "previous_error": "error"}
+DISCARD_DETAIL = {"source": "source", "source_id": "source_id", "attempts": "attempts",
+                  "error": "error", "payload": "payload"}
+
+
+def detail_object(detail: dict[str, str]) -> str:
+    """The jsonb_build_object(...) of `detail` over a row's columns."""
+    return "jsonb_build_object(" + ", ".join(f"'{key}', {column}"
+                                             for key, column in detail.items()) + ")"
+
+
 # Repair (the named users' rows, by primary key): dead events become fresh
 # pending ones (attempts 0, error cleared, claimable now). Only rows still dead
 # once locked change, so a row a worker may hold is never written.
@@ -183,8 +198,7 @@ WITH clock AS (
 ), recorded AS (
     INSERT INTO operator_actions (bucket, user_id, at, actor, action, event_id, detail)
     SELECT bucket, user_id, clock.now, %(actor)s, 'requeue', id,
-           jsonb_build_object('source', source, 'source_id', source_id,
-                              'previous_attempts', attempts, 'previous_error', error)
+           {detail_object(REQUEUE_DETAIL)}
       FROM requeued, clock
 )
 SELECT user_id AS "user", id, source, source_id, attempts AS previous_attempts,
@@ -225,8 +239,7 @@ WITH target AS (
 ), recorded AS (
     INSERT INTO operator_actions (bucket, user_id, actor, action, event_id, detail)
     SELECT bucket, user_id, %(actor)s, 'discard', id,
-           jsonb_build_object('source', source, 'source_id', source_id, 'attempts', attempts,
-                              'error', error, 'payload', payload)
+           {detail_object(DISCARD_DETAIL)}
       FROM discarded
 )
 SELECT user_id AS "user", id, source, source_id, attempts, error

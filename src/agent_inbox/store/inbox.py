@@ -14,6 +14,8 @@ from psycopg.rows import class_row
 from agent_inbox.records import ClaimPolicy, Event
 from agent_inbox import notify
 from agent_inbox.store import lease, steps, wake_rings
+from agent_inbox.store.memory import REPLACES as MEMORY_REPLACES
+from agent_inbox.store.outbox import DUE_NOW as DELIVERY_DUE_NOW
 from agent_inbox.store.clock import DB_CLOCK, NOW
 from agent_inbox.store.keys import user_key
 
@@ -509,9 +511,7 @@ WITH clock AS (
       FROM recalled r, clock
      WHERE r.doc IS NOT NULL
      ORDER BY r.user_id
-        ON CONFLICT ON CONSTRAINT pk_memory DO UPDATE
-       SET doc = excluded.doc, updated_at = excluded.updated_at,
-           updated_by = excluded.updated_by, gen = excluded.gen
+    {MEMORY_REPLACES}
 ), forgotten AS (
     DELETE FROM memory m USING recalled r WHERE r.doc IS NULL AND m.user_id = r.user_id
 ), queued AS (
@@ -529,10 +529,7 @@ WITH clock AS (
     INSERT INTO deliveries AS d (bucket, user_id, due_at)
     SELECT DISTINCT agent_inbox_bucket(user_id), user_id, clock.now FROM queued, clock
      ORDER BY user_id
-        ON CONFLICT ON CONSTRAINT pk_deliveries DO UPDATE
-       SET due_at = CASE WHEN d.batch IS NOT NULL AND d.sending_until IS NULL
-                          AND d.due_at IS NOT NULL THEN d.due_at
-                         ELSE least(d.due_at, excluded.due_at) END
+    {DELIVERY_DUE_NOW}
 ), left_open AS (  -- each released run's user: its first event open after this finish
     SELECT verdict.n,
            (SELECT min(e.id) FROM events e

@@ -132,6 +132,14 @@ def renew(conn, holder: str, keys: list[tuple[str, int]], ttl: int, now: int | N
 # run died beside another that was blamed for the crash, and its retry is an
 # ordinary run, not an unfinished one (runs.release_holder). Each user released
 # gets a wake now (store/inbox.py, TAKE_WORK), so a take looks at it again.
+def released_events(at: str) -> str:
+    """The SET list of a release's update of the run's events `e` (here, and
+    per bucket in backend/citus/statements.py): `at` is the clock's now."""
+    return f"""status = CASE WHEN %(spare)s AND e.attempts = 1 THEN 'pending' ELSE e.status END,
+           available_at = CASE WHEN %(at_once)s THEN {at} ELSE e.available_at END,
+           error = coalesce(%(error)s::text, e.error)"""
+
+
 RELEASE = HELD + f""", released AS (
     UPDATE leases l SET until = clock.now - 1
       FROM clock, held
@@ -139,9 +147,7 @@ RELEASE = HELD + f""", released AS (
  RETURNING l.bucket, l.user_id, l.gen
 ), marked AS (
     UPDATE events e
-       SET status = CASE WHEN %(spare)s AND e.attempts = 1 THEN 'pending' ELSE e.status END,
-           available_at = CASE WHEN %(at_once)s THEN clock.now ELSE e.available_at END,
-           error = coalesce(%(error)s, e.error)
+       SET {released_events("clock.now")}
       FROM clock, released r
      WHERE e.user_id = r.user_id AND {claimed_by("r.gen")}
 ), woke AS (
@@ -181,11 +187,18 @@ def held_by(conn, holder: str, now: int | None) -> list[tuple[str, int]]:
 # generations. Both statements follow a CTE `returned(user_id, gen, unfinished)`
 # of the leases given back and answer their users; each user given back gets a
 # wake now (store/inbox.py, TAKE_WORK).
+def undone_claims(unfinished: str) -> str:
+    """The SET list of a give-back's update of the run's events `e` (here, and
+    per bucket in backend/citus/statements.py): `unfinished` says whether the
+    run's retry was unfinished."""
+    return f"""status = CASE WHEN {unfinished} AND e.attempts > 1 THEN 'running' ELSE 'pending' END,
+           attempts = e.attempts - 1,
+           available_at = CASE WHEN e.attempts = 1 THEN e.created_at ELSE e.claimed_at END"""
+
+
 UNDO_CLAIMS = f"""unclaimed AS (
     UPDATE events e
-       SET status = CASE WHEN r.unfinished AND e.attempts > 1 THEN 'running' ELSE 'pending' END,
-           attempts = e.attempts - 1,
-           available_at = CASE WHEN e.attempts = 1 THEN e.created_at ELSE e.claimed_at END
+       SET {undone_claims("r.unfinished")}
       FROM returned r
      WHERE e.user_id = r.user_id AND {claimed_by("r.gen")}
 ), woke AS (

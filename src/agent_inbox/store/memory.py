@@ -14,12 +14,16 @@ from agent_inbox.store.keys import user_key
 
 # One user's document replaced (json text) or deleted (None), in the caller's
 # transaction, which holds the user's lease row.
+# How a new document takes a user's memory row's place: here, and in a
+# finish's `remembered` (store/inbox.py).
+REPLACES = """ON CONFLICT ON CONSTRAINT pk_memory DO UPDATE
+   SET doc = excluded.doc, updated_at = excluded.updated_at, updated_by = excluded.updated_by,
+       gen = excluded.gen"""
+
 UPSERT = f"""
 INSERT INTO memory AS m (bucket, user_id, doc, updated_at, updated_by, gen)
 VALUES (%(bucket)s, %(user)s, %(doc)s::jsonb, {NOW}, %(by)s, %(gen)s)
-    ON CONFLICT ON CONSTRAINT pk_memory DO UPDATE
-   SET doc = excluded.doc, updated_at = excluded.updated_at, updated_by = excluded.updated_by,
-       gen = excluded.gen
+    {REPLACES}
 """
 
 DELETE = "DELETE FROM memory m WHERE m.bucket = %(bucket)s AND m.user_id = %(user)s RETURNING m.doc"

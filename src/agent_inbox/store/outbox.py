@@ -264,6 +264,16 @@ def seconds_to_next_due(conn, now: int | None) -> int | None:
     return conn.execute(NEXT_DUE, {"now": now}).fetchone()[0]
 
 
+# How new messages make a user's delivery due now: a dispatcher looks at the
+# user at once (claim paces the send), unless a failed batch is backing off:
+# it goes first, at its time. The ON CONFLICT of a finish's `paced`
+# (store/inbox.py) and of its per-bucket form (backend/citus/statements.py).
+DUE_NOW = """ON CONFLICT ON CONSTRAINT pk_deliveries DO UPDATE
+   SET due_at = CASE WHEN d.batch IS NOT NULL AND d.sending_until IS NULL
+                      AND d.due_at IS NOT NULL THEN d.due_at
+                     ELSE least(d.due_at, excluded.due_at) END"""
+
+
 # Spans users (a dispatcher, once a minute): users holding messages that no
 # delivery row makes due, as rows queued by a worker older than the delivery
 # table leave them (a rolling upgrade). Reads every held row: for that rare pass.

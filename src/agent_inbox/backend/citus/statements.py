@@ -56,7 +56,7 @@ import psycopg
 
 from agent_inbox.backend.citus import nodes as citus_nodes
 from agent_inbox import notify
-from agent_inbox.store import approvals, inbox, lease, steps, timers
+from agent_inbox.store import admin, approvals, inbox, lease, outbox, steps, timers
 from agent_inbox.store.clock import DB_CLOCK, NOW
 from agent_inbox.store.inbox import LOOK
 from agent_inbox.store.keys import user_key
@@ -134,10 +134,7 @@ VALUES (%(bucket)s, %(user)s, %(body)s, %(urgent)s, {NOW}, %(traceparent)s)
 # FINISH's `paced`, for one user.
 PACED = f"""
 INSERT INTO deliveries AS d (bucket, user_id, due_at) VALUES (%(bucket)s, %(user)s, {NOW})
-    ON CONFLICT ON CONSTRAINT pk_deliveries DO UPDATE
-   SET due_at = CASE WHEN d.batch IS NOT NULL AND d.sending_until IS NULL
-                      AND d.due_at IS NOT NULL THEN d.due_at
-                     ELSE least(d.due_at, excluded.due_at) END
+    {outbox.DUE_NOW}
 """
 
 # --- delivery ------------------------------------------------------------------
@@ -258,23 +255,17 @@ UPDATE leases l SET until = clock.now - 1
 RETURNING clock.now
 """
 
-# RELEASE's `marked`: the run's events stay running (the attempt counted),
-# or with `spare` those on their first attempt go back pending, claimable now
-# unless `at_once` is false, with `error` recorded.
+# store/lease.py's RELEASE `marked`, for one user.
 MARK_RELEASED = f"""
 UPDATE events e
-   SET status = CASE WHEN %(spare)s AND e.attempts = 1 THEN 'pending' ELSE e.status END,
-       available_at = CASE WHEN %(at_once)s THEN %(at)s ELSE e.available_at END,
-       error = coalesce(%(error)s::text, e.error)
+   SET {lease.released_events("%(at)s")}
  WHERE e.bucket = %(bucket)s AND e.user_id = %(user)s AND {lease.claimed_by("%(gen)s")}
 """
 
 # HAND_BACK's UNDO_CLAIMS, for one user.
 UNDO_CLAIM = f"""
 UPDATE events e
-   SET status = CASE WHEN %(unfinished)s AND e.attempts > 1 THEN 'running' ELSE 'pending' END,
-       attempts = e.attempts - 1,
-       available_at = CASE WHEN e.attempts = 1 THEN e.created_at ELSE e.claimed_at END
+   SET {lease.undone_claims("%(unfinished)s")}
  WHERE e.bucket = %(bucket)s AND e.user_id = %(user)s AND {lease.claimed_by("%(gen)s")}
 """
 
@@ -365,22 +356,19 @@ def repair_dead(conn, pairs: list[tuple[str, int]], *, requeue: bool, actor: str
         else:
             conn.execute(DISCARD_ROWS, params)
         conn.execute(steps.FORGET, params)  # a requeued event starts with no steps
+        shape = admin.REQUEUE_DETAIL if requeue else admin.DISCARD_DETAIL
         for event_id, source, source_id, attempts, error, payload in dead:
-            row = {"user": user, "id": event_id, "source": source, "source_id": source_id}
-            if requeue:
-                row.update(previous_attempts=attempts, previous_error=error)
-                detail = {k: row[k] for k in ("source", "source_id", "previous_attempts",
-                                              "previous_error")}
-            else:
-                row.update(attempts=attempts, error=error)
-                detail = {k: row[k] for k in ("source", "source_id", "attempts", "error")}
-                detail["payload"] = payload
+            columns = {"source": source, "source_id": source_id, "attempts": attempts,
+                       "error": error, "payload": payload}
+            detail = {key: columns[column] for key, column in shape.items()}
+            row = {"user": user, "id": event_id,
+                   **{key: value for key, value in detail.items() if key != "payload"}}
             conn.execute(RECORD_REPAIR, {**params, "at": at, "actor": actor,
                                          "action": "requeue" if requeue else "discard",
                                          "event_id": event_id, "detail": json.dumps(detail)})
             done.append(row)
     if done and requeue:
-        conn.execute(f"SELECT pg_notify('{notify.WORK}', '')")
+        conn.execute(admin.WAKE_WORKERS)
     return done
 
 
@@ -423,10 +411,7 @@ def record_steps(conn, records: list[steps.StepRecord], now: int | None) -> list
 # node): the user's lease row (an expired generation 0, if none yet) and a wake
 # at the arrival; then the notification, sent by the client's own session on
 # the coordinator (a NOTIFY on a worker node reaches no listener).
-EVENTS_INSERTED = ("""
-INSERT INTO leases (bucket, user_id, holder, gen, until) VALUES (%(bucket)s, %(user)s, '', 0, -1)
-ON CONFLICT ON CONSTRAINT pk_leases DO NOTHING
-""", f"""
+EVENTS_INSERTED = (lease.CREATE_EXPIRED, f"""
 INSERT INTO wakes (bucket, user_id, at) VALUES (%(bucket)s, %(user)s, {DB_CLOCK})
 """)
 
