@@ -3,7 +3,7 @@ service and no handler, N processes, K users per take.
 
     .venv/bin/python -m bench.floor [--users 1000] [--per-user 20] [--processes 4] [--take 32]
 
-Each process loops `Inbox.take_runs` then `Inbox.finish_runs` of what it took
+Each process loops `Inbox.runs.take_runs` then `Inbox.runs.finish_runs` of what it took
 (a take and a commit, as the worker's producer and completer do) until no work
 is left; events/s over the wall time from the first take. A database of its
 own, dropped at the end.
@@ -26,9 +26,9 @@ def drain(url: str, holder: str, take: int, ready, answers) -> None:
     with Inbox.connect(url, pool_size=1, application_name="bench-floor") as inbox:
         ready.wait()  # every process connected: the clock starts
         taken = 0
-        while runs := inbox.take_runs(holder, users=take):
+        while runs := inbox.runs.take_runs(holder, users=take):
             taken += len(runs)
-            inbox.finish_runs([inbox.outcome(run, Result()) for run in runs])
+            inbox.runs.finish_runs([inbox.runs.outcome(run, Result()) for run in runs])
         answers.put(taken)
 
 

@@ -487,7 +487,7 @@ def w4b_setup(server_url: str, thinking: int, busy: int, pending: int,
         inbox.ingest_many([(f"thinking-{u}", SOURCE, "first", {"k": 0}) for u in range(thinking)])
         taken = 0
         while taken < thinking:
-            runs = inbox.take_runs("bench-w4b-thinker", users=200)
+            runs = inbox.runs.take_runs("bench-w4b-thinker", users=200)
             assert runs, f"only {taken} of {thinking} thinking users taken"
             taken += len(runs)
         for k in range(thinking_pending):
@@ -529,7 +529,7 @@ def finish_and_refill(inbox: Inbox, run, pending: int, serial: list) -> None:
 
 
 def take_work_params(inbox: Inbox, holder: str) -> dict:
-    return {"holder": holder, "ttl": inbox.lease_ttl, "now": None, "users": 1, **inbox.policy.params()}
+    return {"holder": holder, "ttl": inbox.settings.lease_ttl, "now": None, "users": 1, **inbox.settings.claim.params()}
 
 
 def explain_take_work(url: str, inbox: Inbox, holder: str) -> str:

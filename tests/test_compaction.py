@@ -260,7 +260,7 @@ def test_compaction_racing_ingest_takes_and_finishes_loses_no_event(
     def taker(k: int):
         inbox = make_inbox(lease_ttl=TTL)
         while not stop.is_set():
-            for run in inbox.take_runs(f"H{k}", users=4):
+            for run in inbox.runs.take_runs(f"H{k}", users=4):
                 handled.extend((run.user, e.source_id) for e in run.events)
                 assert inbox.finish_run(run, Result())
 

@@ -86,7 +86,7 @@ def world(inbox):
         ids = [e.id for e in inbox.claim_batch(user, "w", gen, now=T)]
         messages = ["hello carol"] if user == "carol" else []
         assert inbox.finish(user, "w", gen, ids, messages=messages, now=T)
-        assert inbox.release(user, "w", gen, now=T)
+        assert inbox.runs.release(user, "w", gen, now=T)
     return inbox
 
 

@@ -13,11 +13,11 @@ def died_with_three_runs(inbox):
     """Holder "dead" dies holding a (first attempt), b (a batch of two, first
     attempt) and c (a retry: its first run did not finish)."""
     inbox.ingest("c", "chat", "1", {})
-    [first] = inbox.take_runs("old", users=1, now=T)
-    assert inbox.release_runs([first], now=T) == ["c"]
+    [first] = inbox.runs.take_runs("old", users=1, now=T)
+    assert inbox.runs.release_runs([first], now=T) == ["c"]
     for user, key in (("a", "1"), ("b", "1"), ("b", "2")):
         inbox.ingest(user, "chat", key, {})
-    runs = {run.user: run for run in inbox.take_runs("dead", users=5, now=T + 1)}
+    runs = {run.user: run for run in inbox.runs.take_runs("dead", users=5, now=T + 1)}
     assert {u: (r.unfinished, [e.attempts for e in r.events]) for u, r in runs.items()} == {
         "a": (0, [1]), "b": (0, [1, 1]), "c": (1, [2])}
     return runs
@@ -28,13 +28,13 @@ def states(inbox):
 
 
 def unfinished_when_taken_again(inbox):
-    later = inbox.take_runs("next", users=5, now=T + 10_000)
+    later = inbox.runs.take_runs("next", users=5, now=T + 10_000)
     return {run.user: run.unfinished for run in later}
 
 
 def test_only_the_suspect_and_retries_are_unfinished_when_taken_again(inbox):
     runs = died_with_three_runs(inbox)
-    released = inbox.release_holder("dead", error="the worker process running it died",
+    released = inbox.runs.release_holder("dead", error="the worker process running it died",
                                     suspect=("a", runs["a"].gen), now=T + 2)
     assert sorted(released) == ["a", "b", "c"]
     assert states(inbox) == {"a": [("running", 1)], "b": [("pending", 1), ("pending", 1)],
@@ -46,7 +46,7 @@ def test_only_the_suspect_and_retries_are_unfinished_when_taken_again(inbox):
 @pytest.mark.parametrize("suspect", [None, ("a", 99), ("nobody", 1)])
 def test_without_a_suspect_the_holder_holds_every_run_is_unfinished(inbox, suspect):
     died_with_three_runs(inbox)
-    released = inbox.release_holder("dead", error="died", suspect=suspect, now=T + 2)
+    released = inbox.runs.release_holder("dead", error="died", suspect=suspect, now=T + 2)
     assert sorted(released) == ["a", "b", "c"]
     assert states(inbox) == {"a": [("running", 1)], "b": [("running", 1), ("running", 1)],
                              "c": [("running", 2)]}

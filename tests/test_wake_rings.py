@@ -61,7 +61,7 @@ def test_under_a_dump_the_wakes_move_and_takes_read_the_new_ring_only(database_u
             plan = "\n".join(line for line, in conn.execute(
                 "EXPLAIN (ANALYZE, COSTS OFF, TIMING OFF) " + inbox_store.TAKE_WORK,
                 {"holder": "X", "ttl": TTL, "now": T, "users": 4,
-                 **inbox.policy.params(), **wake_rings.Given().params(conn)}).fetchall())
+                 **inbox.settings.claim.params(), **wake_rings.Given().params(conn)}).fetchall())
             raise psycopg.Rollback()  # the take explained is not kept
         scans = [line.strip() for line in plan.splitlines()
                  if re.search(r"Scan .*on wakes_\d", line)]
@@ -110,7 +110,7 @@ def test_a_rotation_that_failed_after_moving_the_insert_ring_loses_no_wake(
     with psycopg.connect(database_url) as conn:
         assert conn.execute("SELECT ring, count(*) FROM wakes GROUP BY 1 ORDER BY 1").fetchall() \
             == [(0, 5), (1, 5)]
-    first = inbox.take_runs("H", users=3, now=T)
+    first = inbox.runs.take_runs("H", users=3, now=T)
     assert sorted(run.user for run in first) == ["old0", "old1", "old2"]   # oldest first
     assert all(inbox.finish_run(run, Result(), now=T) for run in first)
 
@@ -250,7 +250,7 @@ def test_a_take_that_names_not_every_live_ring_takes_nothing_and_its_caller_read
     with psycopg.connect(database_url) as conn:
         before = conn.execute("SELECT user_id, holder, gen FROM leases ORDER BY 1").fetchall()
         rows = conn.execute(inbox_store.TAKE_WORK, {
-            "holder": "X", "ttl": TTL, "now": T, "users": 4, **inbox.policy.params(),
+            "holder": "X", "ttl": TTL, "now": T, "users": 4, **inbox.settings.claim.params(),
             **given.params(conn)}).fetchall()
         assert rows == []
         assert conn.execute("SELECT user_id, holder, gen FROM leases ORDER BY 1").fetchall() \
@@ -258,7 +258,7 @@ def test_a_take_that_names_not_every_live_ring_takes_nothing_and_its_caller_read
         assert conn.execute("SELECT ring, count(*) FROM wakes GROUP BY 1 ORDER BY 1"
                             ).fetchall() == [(0, 3), (1, 1)]
         conn.rollback()
-        taken = inbox_store.take_work(conn, "X", TTL, inbox.policy, T, given, users=4)
+        taken = inbox_store.take_work(conn, "X", TTL, inbox.settings.claim, T, given, users=4)
         conn.commit()
         assert given.params(conn) == {"ring_a": 0, "ring_b": 1}
     assert sorted(user for user, *_ in taken) == ["new", "old0", "old1", "old2"]
@@ -272,7 +272,7 @@ def test_a_take_naming_a_ring_a_rotation_retired_reads_the_rings_again(database_
     with psycopg.connect(database_url) as conn:
         assert given.params(conn) == {"ring_a": 0, "ring_b": 0}
         assert rotate(inbox).outcome == compaction.COMPACTED       # the wakes move to ring 1
-        taken = inbox_store.take_work(conn, "X", TTL, inbox.policy, T, given, users=3)
+        taken = inbox_store.take_work(conn, "X", TTL, inbox.settings.claim, T, given, users=3)
         conn.commit()
         assert given.params(conn) == {"ring_a": 1, "ring_b": 1}
     assert sorted(user for user, *_ in taken) == ["u0", "u1", "u2"]
@@ -288,4 +288,4 @@ def test_a_take_names_both_rings_of_a_rotation_cut_half_way(database_url, make_i
     inbox.ingest("new", "chat", "1", {})
     with psycopg.connect(database_url) as conn:
         assert wake_rings.Given().params(conn) == {"ring_a": 0, "ring_b": 1}
-    assert sorted(run.user for run in inbox.take_runs("H", users=5, now=T)) == ["new", "old"]
+    assert sorted(run.user for run in inbox.runs.take_runs("H", users=5, now=T)) == ["new", "old"]

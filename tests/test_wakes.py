@@ -43,7 +43,7 @@ def test_an_ingest_committing_while_a_take_looks_at_the_user_keeps_its_wake(
     inbox.ingest("u", "chat", "1", {})
     run = inbox.take_work("H", now=T)
     assert inbox.finish_run(run, Result(), release=False, now=T)
-    assert inbox.release("u", "H", run.gen, now=T)           # a wake now, no work left
+    assert inbox.runs.release("u", "H", run.gen, now=T)           # a wake now, no work left
     with holding_wakes_of(database_url, "u") as blocker:
         taking = Racers(lambda: inbox.take_work("H2", now=T + 1)).start()
         wait_for_lock_waiters(database_url, 1, application_name="taker")
@@ -121,7 +121,7 @@ def test_a_take_reads_past_held_users_to_a_free_one_and_puts_them_off_to_their_l
         inbox.acquire(user, "api", now=T)
         inbox.ingest(user, "chat", "1", {})                  # woken first, but held
     inbox.ingest("free", "chat", "1", {})
-    [run] = inbox.take_runs("H", users=1, now=T + 1)
+    [run] = inbox.runs.take_runs("H", users=1, now=T + 1)
     assert run.user == "free"
     assert [wakes(database_url, u) for u in ("held1", "held2", "held3")] == [[T + TTL + 1]] * 3
-    assert inbox.take_runs("H", users=3, now=T + 1) == []    # nothing is read again before then
+    assert inbox.runs.take_runs("H", users=3, now=T + 1) == []    # nothing is read again before then

@@ -46,7 +46,7 @@ def main(server_url: str, take_work_sql: str | None = None) -> int:
             assert original in sql_b
             slow = sql_b.replace(
                 original, f"SELECT {NOW} AS now FROM (SELECT pg_sleep(1)) AS pause", 1)
-            params = {"holder": "B", "ttl": 120, "now": None, "users": 1, **inbox.policy.params(),
+            params = {"holder": "B", "ttl": 120, "now": None, "users": 1, **inbox.settings.claim.params(),
                       "ring_a": 0, "ring_b": 0}  # a new database's one live ring (wake_rings)
             box = {}
 

@@ -52,18 +52,18 @@ def test_a_take_and_a_finish_are_one_call_each_on_the_buckets_node(database_url,
     inbox.ingest_many([(user, "chat", "1", {}) for user in users])
     taken = []
     take = remote_commands(database_url, lambda conn: taken.extend(delegated.take(
-        conn, keys.bucket("u0"), "w", 60, inbox.policy, None, 10)))
+        conn, keys.bucket("u0"), "w", 60, inbox.settings.claim, None, 10)))
     assert sorted(user for user, *_ in taken) == sorted(users)
     assert len(take) == 1 and "agent_inbox_take(" in take[0], take
-    first, second, _ = sorted(inbox._as_runs("w", taken), key=lambda run: run.user)
+    first, second, _ = sorted(inbox.runs._as_runs("w", taken), key=lambda run: run.user)
     finished = []
-    quiet = inbox.outcome(first, Result(memory={"seen": 1}))
+    quiet = inbox.runs.outcome(first, Result(memory={"seen": 1}))
     finish = remote_commands(database_url, lambda conn: finished.append(delegated.finish(
         conn, quiet.finish, None, release=True)))
     assert len(finish) == 1 and "agent_inbox_finish(" in finish[0], finish
     # Messages are inserted from the coordinator (their ids order them), in
     # the call's transaction, after it.
-    chatty = inbox.outcome(second, Result(messages=["hello", "again"]))
+    chatty = inbox.runs.outcome(second, Result(messages=["hello", "again"]))
     finish = remote_commands(database_url, lambda conn: finished.append(delegated.finish(
         conn, chatty.finish, None, release=True)))
     assert finished == [True, True]
@@ -103,7 +103,7 @@ def test_migrate_citus_installs_the_functions_and_a_worker_refuses_a_layout_with
         assert delegated.current(conn)
     with Inbox.connect(database_url) as inbox:
         inbox.ingest("u", "chat", "1", {})
-        [run] = inbox.take_runs("w", users=1)
+        [run] = inbox.runs.take_runs("w", users=1)
         assert inbox.finish_run(run, Result())
 
 
@@ -144,8 +144,8 @@ def test_on_the_buckets_node_a_warm_take_plans_nothing_per_user_and_a_finish_not
                                for n in range(2)])
             taken = []
             take = planned_statements(conn, lambda: taken.extend(delegated.take(
-                conn, bucket, "w", 60, inbox.policy, None, 10)))
-            runs = inbox._as_runs("w", taken)
+                conn, bucket, "w", 60, inbox.settings.claim, None, 10)))
+            runs = inbox.runs._as_runs("w", taken)
             assert sorted(run.user for run in runs) == sorted(take_users)
             assert all(len(run.events) == 2 for run in runs)
             assert all([e.id for e in run.events] == sorted(e.id for e in run.events)
@@ -154,7 +154,7 @@ def test_on_the_buckets_node_a_warm_take_plans_nothing_per_user_and_a_finish_not
             assert [run.memory for run in runs] == [last.get(run.user) for run in runs]
             finished = []
             finish = planned_statements(conn, lambda: finished.extend(
-                delegated.finish(conn, inbox.outcome(run, Result(memory={"n": round_})).finish,
+                delegated.finish(conn, inbox.runs.outcome(run, Result(memory={"n": round_})).finish,
                                  None, release=True) for run in runs))
             assert finished == [True] * len(runs)
             last.update((run.user, {"n": round_}) for run in runs)
@@ -180,19 +180,19 @@ def test_a_take_that_reads_past_a_wake_it_cannot_take_moves_that_wake(database_u
     held, free = users_in_bucket(bucket, 2)
     inbox.ingest(held, "chat", "1", {})
     with psycopg.connect(database_url, autocommit=True) as conn:
-        [[user, gen, *_]] = delegated.take(conn, bucket, "other", 60, inbox.policy, None, 1)
+        [[user, gen, *_]] = delegated.take(conn, bucket, "other", 60, inbox.settings.claim, None, 1)
         assert user == held
         until = conn.execute("SELECT until FROM leases WHERE bucket = %s AND user_id = %s",
                              (bucket, held)).fetchone()[0]
         held_wakes = ("SELECT at FROM wakes WHERE bucket = %s AND user_id = %s", (bucket, held))
         inbox.ingest(held, "chat", "2", {})   # a wake now, while "other" holds the lease
         # a take that takes nobody still moves the wake it read past
-        assert delegated.take(conn, bucket, "w", 60, inbox.policy, None, 10) == []
+        assert delegated.take(conn, bucket, "w", 60, inbox.settings.claim, None, 10) == []
         wakes = conn.execute(*held_wakes).fetchall()
         assert wakes and all(at == until + 1 for (at,) in wakes), (wakes, until)  # none due
         inbox.ingest(held, "chat", "3", {})   # a wake now again
         inbox.ingest(free, "chat", "1", {})   # a wake behind it
-        taken = delegated.take(conn, bucket, "w", 60, inbox.policy, None, 10)
+        taken = delegated.take(conn, bucket, "w", 60, inbox.settings.claim, None, 10)
         assert [user for user, *_ in taken] == [free]
         wakes = conn.execute(*held_wakes).fetchall()
     assert wakes and all(at == until + 1 for (at,) in wakes), (wakes, until)  # none due
@@ -207,16 +207,16 @@ def test_one_take_claims_several_users_each_run_with_its_own_counts(database_url
     crashed, poisoned, fresh = users_in_bucket(bucket, 3)
     inbox.ingest(crashed, "chat", "1", {})
     with psycopg.connect(database_url, autocommit=True) as conn:
-        [[user, first_gen, claimed_at, *_]] = delegated.take(conn, bucket, "x", 60, inbox.policy,
+        [[user, first_gen, claimed_at, *_]] = delegated.take(conn, bucket, "x", 60, inbox.settings.claim,
                                                              None, 1)
         assert user == crashed   # and "x" never finishes it
         inbox.ingest_many([(fresh, "chat", str(n), {}) for n in range(3)])  # taken first
         inbox.ingest(poisoned, "chat", "1", {})
         conn.execute("UPDATE events SET attempts = %s WHERE bucket = %s AND user_id = %s",
-                     (inbox.policy.max_attempts, bucket, poisoned))
+                     (inbox.settings.claim.max_attempts, bucket, poisoned))
         later = claimed_at + 61   # the crashed run's lease has expired
-        taken = delegated.take(conn, bucket, "w", 60, inbox.policy, later, 10)
-    runs = {run.user: run for run in inbox._as_runs("w", taken)}
+        taken = delegated.take(conn, bucket, "w", 60, inbox.settings.claim, later, 10)
+    runs = {run.user: run for run in inbox.runs._as_runs("w", taken)}
     assert list(runs) == [fresh, poisoned, crashed]   # in the order of their wakes
     counts = {user: (run.died, run.unfinished, len(run.events)) for user, run in runs.items()}
     assert counts == {crashed: (0, 1, 1), poisoned: (1, 0, 0), fresh: (0, 0, 3)}, counts
@@ -238,12 +238,12 @@ def test_a_finish_naming_an_event_its_run_does_not_hold_is_refused_on_every_path
     user = "u0"
     inbox.ingest_many([(user, "chat", str(n), {}) for n in range(2)])
     with psycopg.connect(database_url, autocommit=True) as conn:
-        [[_, gen, _, _, _, _, events]] = delegated.take(conn, bucket, "w", 60, inbox.policy,
+        [[_, gen, _, _, _, _, events]] = delegated.take(conn, bucket, "w", 60, inbox.settings.claim,
                                                          None, 1)
     inbox.ingest(user, "chat", "later", {})   # pending: not the run's
     other = next(e.id for e in inbox.events(user) if e.source_id == "later")
     own = [e.id for e in events]
-    f = inbox.outcome(inbox._as_runs("w", [(user, gen, 0, 0, 0, None, events)])[0],
+    f = inbox.runs.outcome(inbox.runs._as_runs("w", [(user, gen, 0, 0, 0, None, events)])[0],
                       Result(messages=["hi"], memory={"n": 1})).finish
     mixed, foreign = replace(f, ids=[*own, other]), replace(f, ids=[other])
     with psycopg.connect(node_url(database_url, bucket), autocommit=True) as node:
@@ -256,10 +256,10 @@ def test_a_finish_naming_an_event_its_run_does_not_hold_is_refused_on_every_path
                 delegated.finish(conn, mixed, None, release=True)
         assert conn.info.transaction_status == psycopg.pq.TransactionStatus.IDLE
     # the run path's finish with timers: in a transaction with them (backend/path.py)
-    run = inbox._as_runs("w", [(user, gen, 0, 0, 0, None,
+    run = inbox.runs._as_runs("w", [(user, gen, 0, 0, 0, None,
                                 [*events, *(e for e in inbox.events(user) if e.id == other)])])[0]
-    timed = inbox.outcome(run, Result(timers=[TimerRequest("t", due=60)]))
-    assert inbox.finish_runs([timed]) == [False]
+    timed = inbox.runs.outcome(run, Result(timers=[TimerRequest("t", due=60)]))
+    assert inbox.runs.finish_runs([timed]) == [False]
     assert {e.id: e.status for e in inbox.events(user)} == {
         **{i: "running" for i in own}, other: "pending"}
     assert inbox.outbox(user) == [] and inbox.memory(user) is None and inbox.timers(user) == []
@@ -284,10 +284,10 @@ def test_a_node_session_keeps_no_plan_per_call(database_url, inbox):
         def rounds(first: int, count: int) -> None:
             for round_ in range(first, first + count):
                 inbox.ingest_many([(user, "chat", f"{round_}", {}) for user in users])
-                runs = inbox._as_runs("w", delegated.take(node, bucket, "w", 60, inbox.policy,
+                runs = inbox.runs._as_runs("w", delegated.take(node, bucket, "w", 60, inbox.settings.claim,
                                                           None, 10))
                 assert len(runs) == len(users)
-                assert all(delegated.finish(node, inbox.outcome(run, Result()).finish, None,
+                assert all(delegated.finish(node, inbox.runs.outcome(run, Result()).finish, None,
                                             release=True) for run in runs)
 
         rounds(0, 10)

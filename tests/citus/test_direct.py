@@ -46,22 +46,22 @@ def test_takes_and_finishes_go_to_the_buckets_node_and_not_through_the_coordinat
     with Inbox.connect(database_url, pool_size=1, application_name=APP,
                        citus_nodes="direct") as inbox:
         inbox.ingest_many([(user, "chat", "1", {}) for user in users])
-        runs = inbox.take_runs("w", users=10)
+        runs = inbox.runs.take_runs("w", users=10)
         assert sorted(run.user for run in runs) == sorted(users)
         assert all("agent_inbox_take(" not in q for q in last_calls(database_url))
         for node in node_urls(database_url, citus_cluster):
             assert [q for q in last_calls(node) if "agent_inbox_take(" in q], node
-        assert inbox.finish_runs([inbox.outcome(run, Result()) for run in runs]) \
+        assert inbox.runs.finish_runs([inbox.runs.outcome(run, Result()) for run in runs]) \
             == [True] * len(runs)
         assert all("agent_inbox_finish(" not in q for q in last_calls(database_url))
         for node in node_urls(database_url, citus_cluster):
             assert [q for q in last_calls(node) if "agent_inbox_finish(" in q], node
         # Messages: through the coordinator, in order, with the dispatchers' NOTIFY.
         inbox.ingest(users[0], "chat", "2", {})
-        [run] = inbox.take_runs("w", users=1)
+        [run] = inbox.runs.take_runs("w", users=1)
         with psycopg.connect(database_url, autocommit=True) as listener:
             listener.execute("LISTEN agent_inbox_outbox")
-            assert inbox.finish_runs([inbox.outcome(run, Result(messages=["a", "b"]))]) == [True]
+            assert inbox.runs.finish_runs([inbox.runs.outcome(run, Result(messages=["a", "b"]))]) == [True]
             assert [n.channel for n in listener.notifies(timeout=5, stop_after=1)] \
                 == ["agent_inbox_outbox"]
         assert [m.body for m in inbox.outbox(users[0])] == ["a", "b"]
@@ -102,19 +102,19 @@ def test_the_scheduler_dispatcher_and_orphan_scan_read_each_node_on_the_node(
         read_at.clear()
         assert inbox.run_scheduler(now=2_000) == len(users)
         read_on_every_node("FROM timers")
-        runs = inbox.take_runs("w", users=10, now=2_000)
+        runs = inbox.runs.take_runs("w", users=10, now=2_000)
         assert sorted(run.user for run in runs) == sorted(users)
-        assert inbox.finish_runs([inbox.outcome(run, Result(messages=["hi"])) for run in runs],
+        assert inbox.runs.finish_runs([inbox.runs.outcome(run, Result(messages=["hi"])) for run in runs],
                                  now=2_000) == [True] * len(users)
         read_at.clear()
-        looked, batches = inbox.claim_due(10, now=2_000)
+        looked, batches = inbox.delivery.claim_due(10, now=2_000)
         assert looked == len(users) and sorted(b.user for b in batches) == sorted(users)
         read_on_every_node("FROM deliveries")
         for user in users:
             inbox.ingest(user, "chat", "orphan", {})
-        orphans = inbox.take_runs("w2", users=10, now=3_000)
+        orphans = inbox.runs.take_runs("w2", users=10, now=3_000)
         read_at.clear()
-        assert sorted(inbox.hand_back_orphans("w2", now=3_000)) \
+        assert sorted(inbox.runs.hand_back_orphans("w2", now=3_000)) \
             == sorted(run.user for run in orphans) == sorted(users)
         read_on_every_node("l.holder = ")
 
@@ -124,10 +124,10 @@ def test_a_stale_finish_sent_straight_to_the_node_is_refused(database_url):
     [user] = users_on_every_node(database_url, 1)[:1]
     with Inbox.connect(database_url, citus_nodes="direct", lease_ttl=30) as inbox:
         inbox.ingest(user, "chat", "1", {})
-        [stale] = inbox.take_runs("w1", users=1, now=1_000_000)
-        [fresh] = inbox.take_runs("w2", users=1, now=1_000_100)   # the lease expired: taken over
-        assert inbox.finish_runs([inbox.outcome(stale, Result())], now=1_000_100) == [False]
-        assert inbox.finish_runs([inbox.outcome(fresh, Result())], now=1_000_100) == [True]
+        [stale] = inbox.runs.take_runs("w1", users=1, now=1_000_000)
+        [fresh] = inbox.runs.take_runs("w2", users=1, now=1_000_100)   # the lease expired: taken over
+        assert inbox.runs.finish_runs([inbox.runs.outcome(stale, Result())], now=1_000_100) == [False]
+        assert inbox.runs.finish_runs([inbox.runs.outcome(fresh, Result())], now=1_000_100) == [True]
 
 
 @pytest.mark.parametrize("bad, why", [("nodes", "must be one of coordinator, direct"),

@@ -107,25 +107,25 @@ def test_the_api_serves_the_nodes_that_answer_and_says_what_it_could_not(url, cl
     late = live.pop()                                        # its work arrives while a node is down
     with Inbox.connect(url, lease_ttl=60, citus_nodes=citus_nodes) as inbox:
         inbox.ingest_many([(user, "chat", "1", {}) for user in live + down])
-        runs = inbox.take_runs("holder", users=10)
+        runs = inbox.runs.take_runs("holder", users=10)
         assert sorted(run.user for run in runs) == sorted(live + down)
         cluster.workers[1].stop(remove=False)
         inbox.ingest(late, "chat", "1", {})                  # one node's transaction
-        [late_run] = inbox.take_runs("holder", users=10)     # the down node's buckets skipped
+        [late_run] = inbox.runs.take_runs("holder", users=10)     # the down node's buckets skipped
         assert late_run.user == late
         runs.append(late_run)
         on_down = [run for run in runs if run.user in down]
         with pytest.raises(errors.PartlyDone) as renewal:
-            inbox.renew_runs(runs)
+            inbox.runs.renew_runs(runs)
         assert renewal.value.unknown == {run.key for run in on_down}
         assert renewal.value.done == {run.key for run in runs if run.user not in down}
         with pytest.raises(errors.PartlyDone) as finish:
-            inbox.finish_runs([inbox.outcome(run, Result()) for run in runs])
+            inbox.runs.finish_runs([inbox.runs.outcome(run, Result()) for run in runs])
         assert finish.value.done == [None if run.user in down else True for run in runs]
         cluster.workers[1].start()
-        assert inbox.finish_runs([inbox.outcome(run, Result()) for run in on_down]) \
+        assert inbox.runs.finish_runs([inbox.runs.outcome(run, Result()) for run in on_down]) \
             == [True] * len(on_down)                         # under the leases they had
-        assert inbox.take_runs("holder", users=10) == []     # none left behind, none twice
+        assert inbox.runs.take_runs("holder", users=10) == []     # none left behind, none twice
     with psycopg.connect(url, autocommit=True) as conn:
         assert conn.execute("SELECT status, attempts, count(*) FROM events GROUP BY 1, 2"
                             ).fetchall() == [("done", 1, 6)]

@@ -25,7 +25,7 @@ import pytest
 
 from agent_inbox import Inbox, Result, errors
 from agent_inbox.dev import pgserver
-from agent_inbox.api.permissions import PermitAsk
+from agent_inbox.agent.permits import PermitAsk
 from agent_inbox.store import policies
 from agent_inbox.store.steps import StepRecord
 from agent_inbox.store import keys
@@ -107,37 +107,37 @@ def test_a_call_about_a_hung_node_fails_within_its_timeout(url, cluster):
     with Inbox.connect(url, lease_ttl=60, statement_timeout=TIMEOUT,
                        connect_timeout=TIMEOUT) as inbox:
         inbox.ingest_many([(user, "chat", "1", {}) for user in live + stuck])
-        runs = inbox.take_runs("holder", users=10)  # every pooled connection has met both nodes
+        runs = inbox.runs.take_runs("holder", users=10)  # every pooled connection has met both nodes
         assert sorted(run.user for run in runs) == sorted(live + stuck)
         on_stuck = {run.key for run in runs if run.user in stuck}
         with hung(cluster.workers[1]):
             # A statement to the hung node over a connection the coordinator
             # already holds to it: the client's bound ends the wait.
-            renewal, first = timed(lambda: inbox.renew_runs(runs))
+            renewal, first = timed(lambda: inbox.runs.renew_runs(runs))
             assert isinstance(renewal, errors.PartlyDone), renewal
             assert first < 3 * TIMEOUT, first
             assert renewal.unknown == on_stuck
             # The node is set aside: the next calls do not wait for it.
-            renewal, second = timed(lambda: inbox.renew_runs(runs))
+            renewal, second = timed(lambda: inbox.runs.renew_runs(runs))
             assert renewal.done == {run.key for run in runs} - on_stuck
             assert renewal.unknown == on_stuck
-            finish, third = timed(lambda: inbox.finish_runs(
-                [inbox.outcome(run, Result()) for run in runs]))
+            finish, third = timed(lambda: inbox.runs.finish_runs(
+                [inbox.runs.outcome(run, Result()) for run in runs]))
             assert finish.done == [None if run.user in stuck else True for run in runs]
             assert second < 1 and third < 1, (second, third)
             # A fresh process: its coordinator connections open one to the
             # hung node (citus.node_connection_timeout, statement_timeout).
             with Inbox.connect(url, statement_timeout=TIMEOUT, connect_timeout=TIMEOUT) as fresh:
                 inbox.ingest(live[0], "chat", "2", {})
-                taken, fourth = timed(lambda: fresh.take_runs("other", users=10))
+                taken, fourth = timed(lambda: fresh.runs.take_runs("other", users=10))
                 assert fourth < 3 * TIMEOUT, fourth
                 assert [run.user for run in taken] == [live[0]]
-                fresh.finish_runs([fresh.outcome(run, Result()) for run in taken])
+                fresh.runs.finish_runs([fresh.runs.outcome(run, Result()) for run in taken])
         left = [run for run in runs if run.user in stuck]
 
         def finished():  # once the node is no longer set aside
             try:
-                return inbox.finish_runs([inbox.outcome(run, Result()) for run in left])
+                return inbox.runs.finish_runs([inbox.runs.outcome(run, Result()) for run in left])
             except errors.PartlyDone:
                 return None
 
@@ -156,7 +156,7 @@ def test_steps_and_permit_calls_of_the_live_node_are_answered_while_the_other_ha
                        connect_timeout=TIMEOUT) as inbox:
         inbox.set_policy("search", "allow", actor="ops@host")
         inbox.ingest_many([(user, "chat", "1", {}) for user in live + stuck])
-        runs = sorted(inbox.take_runs("holder", users=10), key=lambda run: run.user)
+        runs = sorted(inbox.runs.take_runs("holder", users=10), key=lambda run: run.user)
         assert sorted(run.user for run in runs) == sorted(live + stuck)
         undone = {i for i, run in enumerate(runs) if run.user in stuck}
         records = [StepRecord(run.user, run.holder, run.gen, tuple(e.id for e in run.events), 1,
@@ -165,31 +165,31 @@ def test_steps_and_permit_calls_of_the_live_node_are_answered_while_the_other_ha
                 for run in runs]
         with hung(cluster.workers[1]):
             with pytest.raises(errors.PartlyDone) as recorded:
-                inbox.record_steps(records)
+                inbox.runs.record_steps(records)
             assert recorded.value.unknown == undone
             assert [flag for i, flag in enumerate(recorded.value.done) if i not in undone] \
                 == [True] * len(live)
             with pytest.raises(errors.PartlyDone) as read:  # the node is set aside: at once
-                inbox.recorded_steps([(run.user, tuple(e.id for e in run.events))
+                inbox.runs.recorded_steps([(run.user, tuple(e.id for e in run.events))
                                       for run in runs])
             assert read.value.unknown == undone
             assert all(len(steps) == 1 for i, steps in enumerate(read.value.done)
                        if i not in undone)
             with pytest.raises(errors.PartlyDone) as decided:
-                inbox.decide_permits(asks)
+                inbox.runs.decide_permits(asks)
             assert decided.value.unknown == undone
             assert [d.answer for i, d in enumerate(decided.value.done) if i not in undone] \
                 == ["allow"] * len(live)
 
         def recorded_all():  # once the node is no longer set aside
             try:
-                return inbox.record_steps([records[i] for i in sorted(undone)])
+                return inbox.runs.record_steps([records[i] for i in sorted(undone)])
             except errors.PartlyDone:
                 return None
 
         assert wait_until(recorded_all, "the hung node's step records", timeout=60) \
             == [True] * len(stuck)
-        assert inbox.finish_runs([inbox.outcome(run, Result()) for run in runs]) \
+        assert inbox.runs.finish_runs([inbox.runs.outcome(run, Result()) for run in runs]) \
             == [True] * len(runs)
 
 

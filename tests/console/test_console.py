@@ -120,7 +120,7 @@ def test_a_worker_records_its_runs_for_the_chart(inbox, database_url):
     for _ in range(3):  # three crashed claims: the next take parks it dead
         gen = inbox.acquire("carol", "crashed")
         inbox.claim_batch("carol", "crashed", gen)
-        inbox.release("carol", "crashed", gen)
+        inbox.runs.release("carol", "crashed", gen)
     worker = Worker(inbox, "agent_inbox.dev.examples:echo", holder="w-test")
     try:
         worker.run_once()

@@ -9,7 +9,7 @@ import psycopg
 import pytest
 
 from agent_inbox import Result
-from agent_inbox.api.permissions import PermitAsk
+from agent_inbox.agent.permits import PermitAsk
 from agent_inbox.store import policies
 from tests.console.conftest import TOKENS, ConsoleProcess
 
@@ -29,8 +29,8 @@ def world(inbox):
     gen = inbox.acquire("alice", "w-2")
     asks = [PermitAsk("alice", "w-2", gen, tool, policies.digest({"n": n}))
             for n, tool in enumerate(("search", "rm_rf"))]
-    assert [d.answer for d in inbox.decide_permits(asks)] == ["allow", "deny"]
-    inbox.release("alice", "w-2", gen)
+    assert [d.answer for d in inbox.runs.decide_permits(asks)] == ["allow", "deny"]
+    inbox.runs.release("alice", "w-2", gen)
     return inbox
 
 

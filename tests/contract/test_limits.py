@@ -141,8 +141,8 @@ def test_a_context_calls_its_limiter_in_async_and_plain_handlers(inbox):
     ctx = inbox.context(inbox.take_work("A"))
     ctx.limit_sync("llm", 2)
     asyncio.run(ctx.limit("llm", cost=3))
-    assert limits.limiter_for(inbox).calls == 2
-    assert limits.limiter_for(inbox).tokens == 5
+    assert inbox.limiter.calls == 2
+    assert inbox.limiter.tokens == 5
 
     bare = Context("alice", "A", 1)
     with pytest.raises(errors.AgentInboxError, match="needs a limiter"):

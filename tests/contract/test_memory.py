@@ -39,11 +39,11 @@ def test_a_run_reads_the_memory_its_predecessor_left(inbox):
 
 def test_memory_comes_with_every_users_claim_in_one_take(inbox):
     inbox.ingest_many([(f"u{n}", "chat", f"m{n}-{k}", {}) for n in range(3) for k in range(3)])
-    runs = inbox.take_runs("A", users=3)
-    assert inbox.finish_runs([inbox.outcome(r, Result(memory={"n": r.user})) for r in runs]) == [
+    runs = inbox.runs.take_runs("A", users=3)
+    assert inbox.runs.finish_runs([inbox.runs.outcome(r, Result(memory={"n": r.user})) for r in runs]) == [
         True] * 3
     inbox.ingest_many([(f"u{n}", "chat", f"later-{n}", {}) for n in range(3)])
-    again = inbox.take_runs("A", users=3)
+    again = inbox.runs.take_runs("A", users=3)
     assert sorted((r.user, r.memory) for r in again) == [
         (f"u{n}", {"n": f"u{n}"}) for n in range(3)]
 
@@ -51,7 +51,7 @@ def test_memory_comes_with_every_users_claim_in_one_take(inbox):
 def test_a_stale_or_failed_run_never_writes_memory(inbox):
     inbox.ingest("bob", "chat", "m1", {})
     stale = run_with(inbox)
-    assert inbox.release_runs([stale], error="the worker died") == ["bob"]
+    assert inbox.runs.release_runs([stale], error="the worker died") == ["bob"]
     newer = run_with(inbox, "B")
     assert inbox.finish_run(newer, Result(memory={"by": "newer"}))
     assert not inbox.finish_run(stale, Result(memory={"by": "stale"}))  # refused by the fence

@@ -84,7 +84,7 @@ def test_a_refused_or_expired_ask_denies(inbox):
 def test_a_stale_run_is_refused_and_nothing_is_recorded(inbox):
     run = a_run(inbox, "carol")
     stale = inbox.context(run)
-    assert inbox.release_runs([run]) == ["carol"]
+    assert inbox.runs.release_runs([run]) == ["carol"]
     inbox.take_work("B")
     with pytest.raises(errors.LeaseLost, match="lease is lost"):
         stale.permit_sync("refund", {})

@@ -31,7 +31,7 @@ class Calls:
 def crash(inbox, run):
     """What a worker that died with the run does: the lease released, the
     events left running (the retry sees them unfinished)."""
-    assert inbox.release_runs([run], error="the worker process running it died") == [run.user]
+    assert inbox.runs.release_runs([run], error="the worker process running it died") == [run.user]
 
 
 def test_a_retry_of_the_same_events_replays_its_recorded_steps(inbox):

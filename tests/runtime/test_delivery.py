@@ -69,7 +69,7 @@ def test_a_dispatcher_that_died_mid_send_is_followed_after_its_deadline_same_key
         make_inbox, inbox):
     queue(inbox, "u", T, "report")
     dead = make_inbox(send_timeout=60)
-    _, [claimed] = dead.claim_due(10, now=T)      # claimed, then the process died
+    _, [claimed] = dead.delivery.claim_due(10, now=T)      # claimed, then the process died
     sends = []
     dispatcher = Dispatcher(make_inbox(send_timeout=60),
                             lambda user, text, key: sends.append((text, key)))
@@ -77,7 +77,7 @@ def test_a_dispatcher_that_died_mid_send_is_followed_after_its_deadline_same_key
     assert sends == []                             # the claim still holds
     dispatcher.run_once(now=T + 61)
     assert sends == [("report", claimed.key)]
-    assert dead.mark_sent([claimed], now=T + 62) == []   # its late mark is refused
+    assert dead.delivery.mark_sent([claimed], now=T + 62) == []   # its late mark is refused
     assert [m.sent_at for m in inbox.outbox("u")] == [T + 61]
 
 
@@ -327,10 +327,10 @@ def test_a_claim_whose_deadline_is_now_does_not_spin_the_pass(database_url, make
     claimed back to back: the claim leaves it due later, and the pass ends."""
     queue(inbox, "u", T - 120, "hello")
     other = make_inbox(send_timeout=120)
-    _, [held] = other.claim_due(10, now=T - 120)     # another dispatcher's claim: until T
+    _, [held] = other.delivery.claim_due(10, now=T - 120)     # another dispatcher's claim: until T
     calls = {"n": 0}
     looking = make_inbox()
-    original = looking.claim_due
+    original = looking.delivery.claim_due
 
     def counted(limit, *, now=None):
         calls["n"] += 1
@@ -339,7 +339,7 @@ def test_a_claim_whose_deadline_is_now_does_not_spin_the_pass(database_url, make
                 conn.execute("UPDATE deliveries SET due_at = %s WHERE user_id = 'u'", (T + 1,))
         return original(limit, now=now)
 
-    looking.claim_due = counted
+    looking.delivery.claim_due = counted
     Dispatcher(looking, lambda *a: None, concurrency=1).run_once(now=T)
     assert calls["n"] <= 2, f"{calls['n']} claims in one pass"
 
@@ -351,18 +351,18 @@ def test_mark_sent_and_a_batched_finish_do_not_deadlock(database_url, make_inbox
     for user in ("u1", "u2"):
         queue(inbox, user, T, f"to {user}")
     marker = make_inbox(application_name="test-mark")
-    _, batches = marker.claim_due(10, now=T)
+    _, batches = marker.delivery.claim_due(10, now=T)
     by_user = {b.user: b for b in batches}
     for user in ("u1", "u2"):
         inbox.ingest(user, "chat", f"{user}-again", {})
     finisher = make_inbox(application_name="test-finish")
     runs = [finisher.take_work(f"w2-{u}", now=T + 1) for u in ("u1", "u2")]
-    outcomes = [finisher.outcome(r, Result(messages=["again"])) for r in runs]
+    outcomes = [finisher.runs.outcome(r, Result(messages=["again"])) for r in runs]
     with psycopg.connect(database_url) as holder:
         holder.execute("SELECT 1 FROM deliveries WHERE user_id = 'u1' FOR UPDATE")
-        finishing = Racers(lambda: finisher.finish_runs(outcomes, now=T + 1)).start()
+        finishing = Racers(lambda: finisher.runs.finish_runs(outcomes, now=T + 1)).start()
         wait_for_lock_waiters(database_url, 1, application_name="test-finish")
-        marking = Racers(lambda: marker.mark_sent([by_user["u2"], by_user["u1"]], now=T + 1))
+        marking = Racers(lambda: marker.delivery.mark_sent([by_user["u2"], by_user["u1"]], now=T + 1))
         marking.start()
         wait_for_lock_waiters(database_url, 1, application_name="test-mark")
         holder.rollback()

@@ -62,9 +62,9 @@ def test_a_batch_resent_after_a_crash_keeps_its_rows_and_key(inbox):
         raise ConnectionResetError("crashed before marking the batch sent")
 
     with pytest.raises(ConnectionResetError):
-        inbox.dispatch_batch("u", crash_after_sending, now=T)
+        inbox.delivery.dispatch_batch("u", crash_after_sending, now=T)
     queue(inbox, "u", T + 1, "second")              # arrives before the retry
-    inbox.dispatch_batch("u", lambda text, key: attempts.append((text, key)), now=T + 2)
+    inbox.delivery.dispatch_batch("u", lambda text, key: attempts.append((text, key)), now=T + 2)
     assert attempts[0] == attempts[1]               # same rows, same key: droppable
     assert attempts[1][0] == "first"
     assert [m.sent_at for m in inbox.outbox("u")] == [T + 2, None]   # "second" waits its turn
@@ -77,9 +77,9 @@ def test_at_most_once_marks_before_sending(inbox):
         raise ConnectionResetError("lost")
 
     with pytest.raises(ConnectionResetError):
-        inbox.dispatch_batch("u", crash, at_most_once=True, now=T)
+        inbox.delivery.dispatch_batch("u", crash, at_most_once=True, now=T)
     assert [m.sent_at for m in inbox.outbox("u")] == [T]            # marked: never resent
-    assert inbox.dispatch_batch("u", crash, at_most_once=True, now=T + 7200) == 0
+    assert inbox.delivery.dispatch_batch("u", crash, at_most_once=True, now=T + 7200) == 0
 
 
 def test_a_service_loop_survives_a_failing_pass():

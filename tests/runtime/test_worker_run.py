@@ -201,7 +201,7 @@ def test_a_run_claims_at_most_max_batch_events_the_oldest_first(make_inbox, work
 def test_a_take_whose_answer_was_lost_gives_back_the_runs_it_took(inbox, worker, monkeypatch):
     inbox.ingest("a", "chat", "1", {})
     w = worker(inbox, "echo")
-    real_take, lost = inbox.take_runs, []
+    real_take, lost = inbox.runs.take_runs, []
 
     def answer_lost_once(*args, **kwargs):
         answer = real_take(*args, **kwargs)               # committed: a taken
@@ -210,7 +210,7 @@ def test_a_take_whose_answer_was_lost_gives_back_the_runs_it_took(inbox, worker,
             raise DatabaseUnavailable("server closed the connection unexpectedly")
         return answer
 
-    monkeypatch.setattr(inbox, "take_runs", answer_lost_once)
+    monkeypatch.setattr(inbox.runs, "take_runs", answer_lost_once)
     with pytest.raises(DatabaseUnavailable):
         w.run_once(now=T)
     assert [(r.user, r.gen) for r in lost[0]] == [("a", 1)]
@@ -223,14 +223,14 @@ def test_a_result_the_database_refuses_costs_only_its_own_run(inbox, worker, mon
     for user in ("a", "bad", "c", "d"):
         inbox.ingest(user, "chat", "1", {})
     w = worker(inbox, "echo", concurrency=4)
-    real_finish = inbox.finish_runs
+    real_finish = inbox.runs.finish_runs
 
     def refuses_bad(outcomes, **options):                 # as PostgreSQL would, on a value
         if any(o.run.user == "bad" and o.error is None for o in outcomes):
             raise psycopg.errors.NumericValueOutOfRange("integer out of range")
         return real_finish(outcomes, **options)
 
-    monkeypatch.setattr(inbox, "finish_runs", refuses_bad)
+    monkeypatch.setattr(inbox.runs, "finish_runs", refuses_bad)
     assert w.run_once(now=T) == {"runs": 4, "events": 4, "accepted": 4}
     assert [m.body for u in "acd" for m in inbox.outbox(u)] == ["a:1", "c:1", "d:1"]
     assert [inbox.events(u)[0].status for u in "acd"] == ["done"] * 3

@@ -172,7 +172,7 @@ class RunLog(logging.LoggerAdapter):
 
 NO_LIMITER = ("ctx.limit needs a limiter: the worker sets one on every run's context "
               "(Inbox.context does too); a Context made by hand has none (set ctx.limiter = "
-              "limits.limiter_for(inbox))")
+              "inbox.limiter)")
 
 
 def load(reference: str, *, what: str = "handler") -> Callable:

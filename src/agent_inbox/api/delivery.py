@@ -1,15 +1,16 @@
 """The outbox, seen from the API: paced dispatch of one user's held messages,
-the dispatcher's claims and outcomes for many users, the list of a user's
-messages (store/outbox.py holds the rules)."""
+the dispatcher's claims and outcomes for many users (store/outbox.py holds the
+rules), what a channel is and how a failed send is recorded."""
 
 import inspect
 from collections.abc import Callable
 from typing import Any
 
 from agent_inbox import db, errors, tracing, validate
-from agent_inbox.records import OutboxMessage
-from agent_inbox.store import outbox
+from agent_inbox.api.settings import Settings
+from agent_inbox.backend.path import RunPath
 from agent_inbox.records import Batch, Failure
+from agent_inbox.store import outbox
 
 
 # Longest failure text recorded (a channel's error may quote a peer's whole body).
@@ -49,21 +50,21 @@ def channel_of(send: Callable[..., Any]) -> Callable[[str, str, str], Any]:
 
 
 class Delivery:
-    """Mixed into `agent_inbox.Inbox` (which owns `_pool`, `outbox_gap`, `send_policy`,
-    `_path`, `_by_bucket`). On Citus a dispatcher's claims and outcomes are one
-    transaction per bucket (run_path.PerBucket), each on one node."""
-    def dispatch(self, user: str, send: Callable[..., Any], *, now: int | None = None) -> int:
-        """Send the user's held messages as one text, at most once per outbox_gap
-        (an urgent message goes at once); the number of messages sent. `send` is
-        a channel, as the dispatcher service takes: `send(user, text, key)`
-        (see `dispatch_batch` for `key`); a one-argument `send(text)`, this
-        call's older shape, is still called with the text alone (see
-        `channel_of`). It is called at most once, with no database lock or
-        connection held; if it raises, nothing is marked sent, the failure is
-        recorded (the batch goes again, same rows and key, on the next
-        dispatch), and the exception propagates."""
-        channel = channel_of(send)
-        return self.dispatch_batch(user, lambda text, key: channel(user, text, key), now=now)
+    """The dispatcher's protocol (`Inbox.delivery`): claim due deliveries,
+    mark them sent or failed, repace, adopt held messages; and one user's
+    paced send (`dispatch_batch`, which `Inbox.dispatch` is). It shares only
+    the Inbox's pool, run path and settings. On Citus a dispatcher's claims and
+    outcomes are one transaction per bucket (backend/citus/path.py), each on
+    one node."""
+
+    def __init__(self, pool, path: RunPath, settings: Settings):
+        self._pool, self._path, self._settings = pool, path, settings
+
+    @property
+    def adopts_held_messages(self) -> bool:
+        """Whether a dispatcher looks for held messages no delivery is due for
+        (queued by a worker older than the deliveries schema; never on Citus)."""
+        return self._path.adopts_held_messages
 
     def dispatch_batch(self, user: str, deliver: Callable[[str, str], Any], *,
                        at_most_once: bool = False, now: int | None = None) -> int:
@@ -107,25 +108,25 @@ class Delivery:
     def _claim(self, conn, locked: list[str], now: int | None) -> list[Batch]:
         if not locked:
             return []
-        return outbox.claim(conn, locked, gap=self.outbox_gap,
-                            send_timeout=self.send_policy.timeout, now=now)
+        return outbox.claim(conn, locked, gap=self._settings.outbox_gap,
+                            send_timeout=self._settings.send.timeout, now=now)
 
     def mark_sent(self, batches: list[Batch], *, now: int | None = None) -> list[Batch]:
         """Mark claimed batches sent, in one transaction; those whose claim was
         still theirs (a batch whose claim ran out and was claimed again is the
         other dispatcher's to mark)."""
         marked: set[tuple[str, int]] = set()
-        for group in self._by_bucket(batches, lambda b: b.user):
+        for group in self._path.groups(batches, lambda b: b.user):
             with db.transaction(self._pool) as conn:
-                marked |= outbox.mark_sent(conn, group, gap=self.outbox_gap, now=now)
+                marked |= outbox.mark_sent(conn, group, gap=self._settings.outbox_gap, now=now)
         return [b for b in batches if (b.user, b.batch) in marked]
 
     def record_failed(self, failures: list[Failure], *, now: int | None = None) -> dict:
         """Record failed sends in one transaction: {(user, batch): parked} for
         those whose claim was still theirs; parked batches are `failed`."""
-        policy = self.send_policy
+        policy = self._settings.send
         recorded = {}
-        for group in self._by_bucket(failures, lambda f: f.batch.user):
+        for group in self._path.groups(failures, lambda f: f.batch.user):
             with db.transaction(self._pool) as conn:
                 recorded |= outbox.record_failed(conn, group, max_attempts=policy.max_attempts,
                                                  backoff_base=policy.backoff_base,
@@ -137,11 +138,11 @@ class Delivery:
         dispatcher does this at start and once a minute): their held messages
         are due at their last send + this gap. The number of users changed."""
         with db.connection(self._pool) as conn:
-            users = outbox.stale_pace_users(conn, self.outbox_gap, now)
+            users = outbox.stale_pace_users(conn, self._settings.outbox_gap, now)
             changed = 0
-            for group in self._by_bucket(users, lambda user: user):
+            for group in self._path.groups(users, lambda user: user):
                 with conn.transaction():
-                    changed += outbox.repace(conn, group, self.outbox_gap, now)
+                    changed += outbox.repace(conn, group, self._settings.outbox_gap, now)
         return changed
 
     def adopt_held(self, *, now: int | None = None) -> int:
@@ -155,8 +156,3 @@ class Delivery:
         """Seconds until a user's delivery is next due (None: nothing held)."""
         with db.connection(self._pool) as conn:
             return outbox.seconds_to_next_due(conn, now)
-
-    def outbox(self, user: str) -> list[OutboxMessage]:
-        user = validate.text("user", user)
-        with db.connection(self._pool) as conn:
-            return outbox.list_messages(conn, user)

@@ -1,5 +1,12 @@
 """The programmatic API: `Inbox`, one object per process, owning a connection pool.
 
+`Inbox` is a facade: its methods are the user's calls (ingest, read, repair,
+timers, approvals, permissions, a run without a worker), and it holds typed
+objects for the services' protocols: `runs` (the worker's: take, renew,
+release, finish, steps, permits), `delivery` (the dispatcher's) and
+`scheduling` (the scheduler's), each sharing only the Inbox's pool, run path
+(backend/path.py) and `settings` (api/settings.py).
+
 Every method checks its arguments before any SQL runs (bad input raises an
 `errors.InvalidInput` and stores nothing) and runs as one transaction. Methods on
 a run's path (acquire, claim_batch, finish) first lock the user's lease row, so
@@ -8,66 +15,56 @@ means the database server's clock; an explicit `now` (integer epoch seconds) is
 for tests and simulations.
 """
 
+import asyncio
 import functools
-from collections.abc import Callable, Iterable
+import threading
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
+from agent_inbox import db, errors, metrics, tracing, validate
+from agent_inbox.agent.handler import Context
+from agent_inbox.agent.permits import (MAX_TOOL_BYTES, Decision, PermitAsk, RunPermits,
+                                       check_answer)
+from agent_inbox.agent.result import Result
+from agent_inbox.agent.steps import RunSteps
+from agent_inbox.api.delivery import Delivery, channel_of
+from agent_inbox.api.limits import Limiter
+from agent_inbox.api.runs import DirectJournal, Run, Runs
+from agent_inbox.api.scheduling import Scheduling, checked_approval, checked_timer
+from agent_inbox.api.settings import Settings
+from agent_inbox.backend import path as run_path
 from agent_inbox.backend.citus import layout as citus
 from agent_inbox.backend.citus import nodes as routing
-from agent_inbox import db, errors, metrics, tracing, validate
-from agent_inbox.backend import path as run_path
-from agent_inbox.api.delivery import Delivery
-from agent_inbox.api.permissions import Permissions
-from agent_inbox.records import EVENT_STATUSES, ClaimPolicy, Event, SendPolicy
-from agent_inbox.api.runs import Run, Runs
-from agent_inbox.api.scheduling import Scheduling
-from agent_inbox.store import admin, compaction, inbox, lease, outbox, retention, steps
+from agent_inbox.records import EVENT_STATUSES, Event, OutboxMessage, RecordedStep, Timer
+from agent_inbox.store import (admin, approvals, compaction, inbox, lease, outbox, policies,
+                               retention, steps, timers)
 from agent_inbox.store import memory as memories
-from agent_inbox.records import RecordedStep
 from agent_inbox.store.keys import user_key
 
 __all__ = ["Inbox", "Run"]
 
-DEFAULT_MAX_PAYLOAD_BYTES = 1 << 20
-# A user's memory is read with every claim: kept small by default.
-DEFAULT_MAX_MEMORY_BYTES = 256 << 10
 # Events per statement in ingest_many.
 INGEST_CHUNK = 1000
 
 
-class Inbox(Runs, Scheduling, Delivery, Permissions):
-    """Durable per-user inboxes, leases, timers, approvals and outboxes.
+class Inbox:
+    """Durable per-user inboxes, leases, timers, approvals and outboxes: the
+    user's calls, and the services' protocols as `runs`, `delivery` and
+    `scheduling`."""
 
-    The per-user inbox, lease, claim and finish are here; the run-level calls of
-    the worker runtime (runs.py), timers and approvals (scheduling.py), the
-    outbox (delivery.py) and permissions (permissions.py) are mixed in from
-    their own modules."""
-
-    def __init__(self, pool, *, max_attempts: int = 3, lease_ttl: int = 120,
-                 outbox_gap: int = 3600, max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES,
-                 max_memory_bytes: int = DEFAULT_MAX_MEMORY_BYTES,
-                 retry_backoff: int = 5, retry_backoff_cap: int = 300, max_batch: int = 100,
-                 send_timeout: int = 120, max_send_attempts: int = 10, send_backoff: int = 5,
-                 send_backoff_cap: int = 300):
-        self.policy = ClaimPolicy(
-            max_attempts=validate.positive_int("max_attempts", max_attempts),
-            backoff_base=validate.epoch("retry_backoff", retry_backoff),
-            backoff_cap=validate.epoch("retry_backoff_cap", retry_backoff_cap),
-            max_batch=validate.positive_int("max_batch", max_batch))
-        self.lease_ttl = validate.positive_int("lease_ttl", lease_ttl)
-        self.outbox_gap = validate.epoch("outbox_gap", outbox_gap)
-        self.send_policy = SendPolicy(
-            timeout=validate.positive_int("send_timeout", send_timeout),
-            max_attempts=validate.positive_int("max_send_attempts", max_send_attempts),
-            backoff_base=validate.epoch("send_backoff", send_backoff),
-            backoff_cap=validate.epoch("send_backoff_cap", send_backoff_cap))
-        self.max_payload_bytes = validate.positive_int("max_payload_bytes", max_payload_bytes)
-        self.max_memory_bytes = validate.positive_int("max_memory_bytes", max_memory_bytes)
+    def __init__(self, pool, *, path: run_path.RunPath | None = None, **options):
+        """An Inbox on `pool`. `path` is how its run path's transactions are
+        cut (backend/path.py); by default asked of the database: per bucket on
+        a Citus coordinator whose events table is distributed, else set-based.
+        `options` are `Settings.checked`'s (see `connect`)."""
+        self.settings = Settings.checked(**options)
         self._pool = pool
-        # How the run path's transactions are cut: set-based on one server,
-        # one bucket per transaction on a Citus coordinator (backend/path.py).
-        self._path = run_path.for_pool(pool)
-
+        self._path = path if path is not None else run_path.for_pool(pool)
+        self.runs = Runs(pool, self._path, self.settings)
+        self.delivery = Delivery(pool, self._path, self.settings)
+        self.scheduling = Scheduling(pool, self._path)
+        self._limiter: Limiter | None = None
+        self._limiter_guard = threading.Lock()
     @classmethod
     def connect(cls, url: str, *, pool_size: int = 4, application_name: str = "agent-inbox",
                 pooler: str = "none",
@@ -105,14 +102,15 @@ class Inbox(Runs, Scheduling, Delivery, Permissions):
         pool = db.open_pool(url, size=pool_size, name=application_name, pooler=pooler,
                             configure=detector, statement_timeout=statement_timeout,
                             connect_timeout=connect_timeout)
-        pool.citus = detector.distributed
-        if citus_nodes == "direct":
-            pool.connect_node = functools.partial(
-                db.connect, name=application_name,
-                configure=citus.Detector(node_connection_timeout=connect_timeout),
-                statement_timeout=statement_timeout, connect_timeout=connect_timeout)
+        connect_node = functools.partial(
+            db.connect, name=application_name,
+            configure=citus.Detector(node_connection_timeout=connect_timeout),
+            statement_timeout=statement_timeout, connect_timeout=connect_timeout)
         try:
-            return cls(pool, **options)
+            path = run_path.for_pool(pool, distributed=detector.distributed,
+                                     connect_node=connect_node if citus_nodes == "direct"
+                                     else None)
+            return cls(pool, path=path, **options)
         except BaseException:
             pool.close()
             raise
@@ -128,10 +126,13 @@ class Inbox(Runs, Scheduling, Delivery, Permissions):
         return self._path.distributed
 
     @property
-    def adopts_held_messages(self) -> bool:
-        """Whether a dispatcher looks for held messages no delivery is due for
-        (queued by a worker older than the deliveries schema; never on Citus)."""
-        return self._path.adopts_held_messages
+    def limiter(self) -> Limiter:
+        """This Inbox's limiter (api/limits.py): one per process serves every
+        run's `ctx.limit`; made on first use, closed with the Inbox."""
+        with self._limiter_guard:
+            if self._limiter is None:
+                self._limiter = Limiter(self._pool)
+            return self._limiter
 
     def compact(self, **options) -> list[compaction.Compaction] | None:
         """Leave the dead row versions of `wakes` (moved to a clean ring:
@@ -143,17 +144,15 @@ class Inbox(Runs, Scheduling, Delivery, Permissions):
 
     @property
     def max_attempts(self) -> int:
-        return self.policy.max_attempts
+        return self.settings.claim.max_attempts
 
     def close(self) -> None:
+        with self._limiter_guard:
+            limiter, self._limiter = self._limiter, None
+        if limiter is not None:
+            limiter.close()
         self._path.close()
         self._pool.close()
-
-    def _by_bucket(self, items: list, user_of=lambda item: item[0]) -> list[list]:
-        """`items` (about users: `user_of(item)`) in one group, or on Citus in
-        one group per bucket: a statement or transaction about several users
-        is then sent once per group, each to one node. No items, no group."""
-        return self._path.groups(items, user_of)
 
     def __enter__(self) -> "Inbox":
         return self
@@ -173,7 +172,7 @@ class Inbox(Runs, Scheduling, Delivery, Permissions):
 
         Call it after the provider's signature check, then acknowledge."""
         user, source, source_id, kind = validate.event_names("", user, source, source_id, kind)
-        encoded = validate.payload("payload", payload, self.max_payload_bytes)
+        encoded = validate.payload("payload", payload, self.settings.max_payload_bytes)
         traceparent = _traceparent(traceparent)
         stored = self._path.ingest(user, lambda conn: inbox.insert(
             conn, user, source, source_id, encoded, kind, traceparent))
@@ -198,14 +197,14 @@ class Inbox(Runs, Scheduling, Delivery, Permissions):
             user, source, source_id, kind = validate.event_names(f"events[{n}]", user, source,
                                                                  source_id, kind)
             rows.append((user, source, source_id,
-                         validate.payload(f"events[{n}] payload", payload, self.max_payload_bytes),
+                         validate.payload(f"events[{n}] payload", payload, self.settings.max_payload_bytes),
                          kind, _traceparent(traceparent)))
 
         def insert_all(conn) -> list[bool]:
             stored: dict[int, bool] = {}
             # on Citus one statement per bucket (one node each; the transaction
             # spans the nodes the batch does)
-            for group in self._by_bucket(list(enumerate(rows)), lambda item: item[1][0]):
+            for group in self._path.groups(list(enumerate(rows)), lambda item: item[1][0]):
                 for start in range(0, len(group), INGEST_CHUNK):
                     chunk = group[start:start + INGEST_CHUNK]
                     flags = inbox.insert_many(conn, [row for _, row in chunk])
@@ -241,7 +240,7 @@ class Inbox(Runs, Scheduling, Delivery, Permissions):
         the change); nothing is changed then."""
         user, actor = validate.text("user", user), validate.text("actor", actor)
         encoded = None if doc is None else validate.payload("memory", doc,
-                                                            self.max_memory_bytes)
+                                                            self.settings.max_memory_bytes)
         now = validate.optional_epoch("now", now)
         with db.transaction(self._pool) as conn:
             held = conn.execute(memories.OPERATOR_LOCK, user_key(user, now=now)).fetchone()
@@ -295,7 +294,7 @@ class Inbox(Runs, Scheduling, Delivery, Permissions):
         now = validate.optional_epoch("now", now)
         with db.transaction(self._pool) as conn:
             return outbox.repair_failed(conn, batches, retry=retry, actor=actor, now=now,
-                                        groups=self._by_bucket)
+                                        groups=self._path.groups)
 
     # --- lease, claim, finish --------------------------------------------------
 
@@ -306,7 +305,7 @@ class Inbox(Runs, Scheduling, Delivery, Permissions):
         user, holder = validate.text("user", user), validate.text("holder", holder)
         now = validate.optional_epoch("now", now)
         with db.transaction(self._pool) as conn:
-            return lease.acquire(conn, user, holder, self.lease_ttl, now)
+            return lease.acquire(conn, user, holder, self.settings.lease_ttl, now)
 
     def claim_batch(self, user: str, holder: str, gen: int, *, now: int | None = None) -> list[Event]:
         """Claim the work for one run (at most max_batch fresh events), ordered
@@ -318,7 +317,7 @@ class Inbox(Runs, Scheduling, Delivery, Permissions):
         with db.connection(self._pool) as conn:
             with db.pipelined_transaction(conn):
                 conn.execute(lease.LOCK, user_key(user))
-                claimed = inbox.send_claim(conn, user, holder, gen, self.policy, now)
+                claimed = inbox.send_claim(conn, user, holder, gen, self.settings.claim, now)
             return claimed.fetchall()
 
     def finish(self, user: str, holder: str, gen: int, ids: Iterable[int], *,
@@ -338,6 +337,54 @@ class Inbox(Runs, Scheduling, Delivery, Permissions):
             error = validate.text("error", error)
         now = validate.optional_epoch("now", now)
         return self._path.finish_one(inbox.Finish(user, holder, gen, ids, messages, error), now)
+
+    # --- a run without a worker -------------------------------------------------
+
+    def take_work(self, holder: str, *, now: int | None = None) -> Run | None:
+        """Find the user whose oldest claimable event has waited longest among
+        users whose lease is free or expired, take the lease over and claim, in
+        one statement; None if there is no such user. The run may hold no events
+        (only exhausted ones were due, now parked dead): finish it all the same.
+        (The worker takes many at once: `runs.take_runs`.)"""
+        runs = self.runs.take_runs(holder, users=1, now=now)
+        return runs[0] if runs else None
+
+    def context(self, run: Run, *, max_step_bytes: int | None = None) -> Context:
+        """A handler's context for `run`, taken without a worker (take_work,
+        claim_batch): its memory as the claim read it; its durable steps and
+        permit calls through this Inbox, one transaction each; its limits
+        (`ctx.limit`) through this Inbox's limiter."""
+        limit = self.settings.max_payload_bytes if max_step_bytes is None else max_step_bytes
+        event_ids = [e.id for e in run.events]
+        ctx = Context(run.user, run.holder, run.gen, memory=run.memory,
+                      attempt=max((e.attempts for e in run.events), default=1),
+                      limiter=self.limiter)
+        ctx.permits = self._direct_permits(run.user, run.holder, run.gen)
+        ctx.steps = RunSteps(run.user, run.holder, run.gen, event_ids,
+                             may_resume=any(e.attempts > 1 for e in run.events),
+                             journal=DirectJournal(self.runs, run.user, event_ids),
+                             max_result_bytes=limit)
+        return ctx
+
+    def _direct_permits(self, user: str, holder: str, gen: int) -> RunPermits:
+        """`ctx.permit` through this Inbox: one transaction per call."""
+        def ask(question: PermitAsk) -> Decision | None:
+            return self.runs.decide_permits([question])[0]
+
+        async def ask_async(question: PermitAsk) -> Decision | None:
+            return await asyncio.to_thread(ask, question)
+
+        return RunPermits(user, holder, gen, ask, ask_async)
+
+    def finish_run(self, run: Run, result: Result, *, release: bool = True,
+                   now: int | None = None) -> bool:
+        """Commit everything a run produced (its events' outcome, messages, timers,
+        approval requests) in one fenced transaction, and by default release the
+        lease in the same commit. False, with nothing written, if the fence refuses.
+        (The worker commits many at once: `runs.finish_runs`.)"""
+        [accepted] = self.runs.finish_runs([self.runs.outcome(run, result)], release=release,
+                                           now=now)
+        return accepted
 
     def prune(self, *, older_than: int, dedup_window: int = 7 * 86400, include_dead: bool = False,
               now: int | None = None, progress: Callable[[int, int, int], Any] | None = None,
@@ -361,7 +408,7 @@ class Inbox(Runs, Scheduling, Delivery, Permissions):
                     if not users:
                         return deleted, compacted
                     gone = emptied = 0
-                    for group in self._by_bucket(users, lambda user: user):
+                    for group in self._path.groups(users, lambda user: user):
                         pruned = retention.prune_users(
                             conn, group, older_than=older_than, window=dedup_window,
                             statuses=statuses, now=now)
@@ -370,6 +417,139 @@ class Inbox(Runs, Scheduling, Delivery, Permissions):
                 users_seen, last_user = users_seen + len(users), users[-1]
                 if progress:
                     progress(users_seen, deleted, compacted)
+
+
+    # --- timers and approvals (api/scheduling.py, store/timers.py, store/approvals.py) ---
+
+    def add_timer(self, user: str, timer_id: str, due: int, payload: Mapping[str, Any], *,
+                  every: int | None = None, key: tuple[str, str] | None = None,
+                  cron: str | None = None, timezone: str = "UTC", missed: str = "coalesce",
+                  catch_up_limit: int = 100) -> None:
+        """Create or replace a timer. Recurring with `every` seconds or a `cron`
+        expression (evaluated in `timezone`; the first occurrence is the first at
+        or after `due`), else one-off; a one-off may fix its event key (source,
+        source_id), a recurring one may not (each occurrence needs its own key).
+        Missed occurrences of a recurring timer: missed="coalesce" (one event for
+        the latest, with `skipped`) or "catch_up" (one event each, at most
+        catch_up_limit per firing, `overflow` counting the ones left out)."""
+        user = validate.text("user", user)
+        row = checked_timer(timer_id, due, payload, every, key, cron=cron, timezone=timezone,
+                            missed=missed, catch_up_limit=catch_up_limit,
+                            max_payload_bytes=self.settings.max_payload_bytes)
+        with db.connection(self._pool) as conn:
+            timers.upsert(conn, user, **row)
+
+    def timers(self, user: str) -> list[Timer]:
+        user = validate.text("user", user)
+        with db.connection(self._pool) as conn:
+            return timers.list_timers(conn, user)
+
+    def request_approval(self, user: str, request_id: str, *, expires_in: int, action: Any,
+                         now: int | None = None) -> int:
+        """Arm the approval's expiry timer; returns the deadline (epoch seconds).
+        The answer or the expiry comes back as the event ('approval', request_id)."""
+        user = validate.text("user", user)
+        request_id, row = checked_approval(request_id, expires_in, action,
+                                           self.settings.max_payload_bytes)
+        now = validate.optional_epoch("now", now)
+        with db.connection(self._pool) as conn:
+            return timers.upsert(conn, user, approvals.expiry_timer_id(request_id), base=now, **row)
+
+    def answer_approval(self, user: str, request_id: str, answer: str, *,
+                        now: int | None = None) -> str:
+        """Store an answer unless the deadline has passed; returns the answer that
+        stands: 'yes', 'no', 'expired', or 'unknown' for a request never made."""
+        user = validate.text("user", user)
+        request_id = validate.text("request_id", request_id)
+        answer = validate.answer("answer", answer)
+        now = validate.optional_epoch("now", now)
+        with db.transaction(self._pool) as conn:
+            return self._path.answer_approval(conn, user, request_id, answer, now)
+
+    def run_scheduler(self, *, now: int | None = None) -> int:
+        """Turn every due timer, across all users, into an inbox event; the number
+        fired. A timer whose firing raises is parked with its error (logged,
+        counted, shown by `timers(user)`) and the others fire. Safe to run as
+        many copies at once as you like. (The scheduler service's call.)"""
+        return self.scheduling.fire_due(now=now)
+
+    # --- the outbox (api/delivery.py, store/outbox.py) ---------------------------
+
+    def dispatch(self, user: str, send: Callable[..., Any], *, now: int | None = None) -> int:
+        """Send the user's held messages as one text, at most once per outbox_gap
+        (an urgent message goes at once); the number of messages sent. `send` is
+        a channel, as the dispatcher service takes: `send(user, text, key)`
+        (see `dispatch_batch` for `key`); a one-argument `send(text)`, this
+        call's older shape, is still called with the text alone (see
+        `channel_of`). It is called at most once, with no database lock or
+        connection held; if it raises, nothing is marked sent, the failure is
+        recorded (the batch goes again, same rows and key, on the next
+        dispatch), and the exception propagates."""
+        channel = channel_of(send)
+        return self.delivery.dispatch_batch(user, lambda text, key: channel(user, text, key), now=now)
+
+    def outbox(self, user: str) -> list[OutboxMessage]:
+        """A user's outbox messages, in order."""
+        user = validate.text("user", user)
+        with db.connection(self._pool) as conn:
+            return outbox.list_messages(conn, user)
+
+    # --- permissions (agent/permits.py, store/policies.py) -------------------------
+
+    def set_policy(self, tool: str, answer: str, *, user: str | None = None,
+                   ask_expires_in: int = policies.DEFAULT_ASK_EXPIRES_IN, actor: str,
+                   now: int | None = None) -> None:
+        """Set the rule for `tool` ('*': every tool) of `user`, or the default
+        rule (user None): 'allow', 'deny' or 'ask' (an approval request that
+        waits `ask_expires_in` seconds). Audited; applies to every call decided
+        after it commits."""
+        tool = validate.text("tool", tool, MAX_TOOL_BYTES)
+        answer = check_answer(answer)
+        user = None if user is None else validate.text("user", user)
+        ask_expires_in = validate.positive_int("ask_expires_in", ask_expires_in)
+        actor = validate.text("actor", actor)
+        now = validate.optional_epoch("now", now)
+        with db.transaction(self._pool) as conn:
+            policies.change(conn, user, tool, answer, ask_expires_in, actor, now)
+
+    def clear_policy(self, tool: str, *, user: str | None = None, actor: str,
+                     now: int | None = None) -> bool:
+        """Remove a rule (audited); False if there was none."""
+        tool = validate.text("tool", tool, MAX_TOOL_BYTES)
+        user = None if user is None else validate.text("user", user)
+        actor = validate.text("actor", actor)
+        now = validate.optional_epoch("now", now)
+        with db.transaction(self._pool) as conn:
+            return policies.change(conn, user, tool, None, policies.DEFAULT_ASK_EXPIRES_IN,
+                                   actor, now)
+
+    def declare_policies(self, rules: dict[str, str], *, actor: str = "app") -> list[str]:
+        """An app's default rules (tool -> answer), each stored only where the
+        database has no default rule for that tool yet (an operator's wins);
+        the tools stored."""
+        checked = {validate.text("tool", tool, MAX_TOOL_BYTES): check_answer(answer)
+                   for tool, answer in rules.items()}
+        stored = []
+        with db.transaction(self._pool) as conn:
+            for tool, answer in sorted(checked.items()):
+                if conn.execute(policies.DECLARE_DEFAULT, {
+                        "tool": tool, "answer": answer, "actor": actor, "now": None,
+                        "ask_expires_in": policies.DEFAULT_ASK_EXPIRES_IN}).fetchone():
+                    stored.append(tool)
+        return stored
+
+    def policies(self, user: str | None = None) -> list[dict]:
+        """A user's rules (None: the default rules), by tool."""
+        user = None if user is None else validate.text("user", user)
+        with db.connection(self._pool) as conn:
+            return policies.rules(conn, user)
+
+    def permit_decisions(self, user: str, *, limit: int = 100) -> list[dict]:
+        """The answers given to a user's runs, newest first."""
+        user = validate.text("user", user)
+        limit = validate.positive_int("limit", limit)
+        with db.connection(self._pool) as conn:
+            return policies.decisions(conn, user, limit)
 
 
 def _traceparent(given) -> str | None:

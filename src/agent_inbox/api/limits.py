@@ -8,7 +8,7 @@ told). Every worker on every host takes from the same row, by the database's
 clock, so the fleet as a whole stays within `burst + rate * T / per` over any
 span of T seconds.
 
-In a process, one `Limiter` (per Inbox: `limiter_for`) serves every run:
+In a process, one `Limiter` (per Inbox: `Inbox.limiter`) serves every run:
 
 - callers queue per limit, first come first served; a waiting run holds no
   connection (an async one awaits a future, a thread waits on an event);
@@ -42,7 +42,6 @@ import collections
 import logging
 import threading
 import time
-import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -377,18 +376,3 @@ def _deliver(outcomes: list) -> None:
             waiter.deliver(problem)
         except RuntimeError:  # the caller's loop is closed: nobody waits any more
             pass
-
-
-_LIMITERS: "weakref.WeakKeyDictionary[object, Limiter]" = weakref.WeakKeyDictionary()
-_LIMITERS_GUARD = threading.Lock()
-
-
-def limiter_for(inbox) -> Limiter:
-    """The process's limiter on `inbox`'s pool (made on first use; its thread
-    starts with the first caller, and uses one of the pool's connections for
-    the moment of each grant)."""
-    with _LIMITERS_GUARD:
-        limiter = _LIMITERS.get(inbox)
-        if limiter is None:
-            limiter = _LIMITERS[inbox] = Limiter(inbox.pool)
-        return limiter

@@ -19,13 +19,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from agent_inbox import db, errors, tracing, validate
-from agent_inbox.api import limits
-from agent_inbox.agent.handler import Context
-from agent_inbox.records import Event
+from agent_inbox.agent.permits import Decision, PermitAsk
 from agent_inbox.agent.result import KEEP, ApprovalRequest, Message, Result, TimerRequest
-from agent_inbox.agent.steps import RunSteps
-from agent_inbox.store import approvals, inbox, steps, timers
-from agent_inbox.records import RecordedStep, StepRecord
+from agent_inbox.api import scheduling
+from agent_inbox.api.settings import Settings
+from agent_inbox.backend.path import RunPath
+from agent_inbox.records import Event, RecordedStep, StepRecord
+from agent_inbox.store import approvals, inbox, policies, steps, timers
 
 
 @dataclass(frozen=True)
@@ -73,16 +73,12 @@ class Outcome:
 
 
 class Runs:
-    """Mixed into `agent_inbox.Inbox` (which owns `_pool`, `policy`, `lease_ttl`,
-    `_path`, `_by_bucket`)."""
+    """The worker runtime's protocol (`Inbox.runs`): take, renew, release, give
+    back and finish runs, record their steps, decide their permit calls. It
+    shares only the Inbox's pool, run path and settings."""
 
-    def take_work(self, holder: str, *, now: int | None = None) -> Run | None:
-        """Find the user whose oldest claimable event has waited longest among
-        users whose lease is free or expired, take the lease over and claim, in
-        one statement; None if there is no such user. The run may hold no events
-        (only exhausted ones were due, now parked dead): finish it all the same."""
-        runs = self.take_runs(holder, users=1, now=now)
-        return runs[0] if runs else None
+    def __init__(self, pool, path: RunPath, settings: Settings):
+        self._pool, self._path, self._settings = pool, path, settings
 
     def take_runs(self, holder: str, *, users: int, now: int | None = None) -> list[Run]:
         """`take_work` for up to `users` users at once, longest waiting first,
@@ -90,7 +86,8 @@ class Runs:
         holder = validate.text("holder", holder)
         users = validate.positive_int("users", users)
         now = validate.optional_epoch("now", now)
-        taken, failure = self._path.take(holder, users, self.lease_ttl, self.policy, now)
+        taken, failure = self._path.take(holder, users, self._settings.lease_ttl,
+                                            self._settings.claim, now)
         if failure is not None:
             raise errors.PartlyDone(f"a take stopped short: {errors.first_line(failure)}",
                                     self._as_runs(holder, taken)) from failure
@@ -103,7 +100,8 @@ class Runs:
         with the keys extended and, as `unknown`, those of that node."""
         holder = _holder_of(runs)
         now = validate.optional_epoch("now", now)
-        return self._path.renew(holder, [run.key for run in runs], self.lease_ttl, now)
+        return self._path.renew(holder, [run.key for run in runs], self._settings.lease_ttl,
+                                now)
 
     def release(self, user: str, holder: str, gen: int, *, now: int | None = None) -> bool:
         """Expire a held lease at once (gen kept, so it still fences this holder)."""
@@ -177,16 +175,8 @@ class Runs:
         forget = steps_recorded or any(event.attempts > 1 for event in run.events)
         memory = None if result.memory is KEEP else (
             None if result.memory is None
-            else validate.payload("result.memory", result.memory, self.max_memory_bytes),)
+            else validate.payload("result.memory", result.memory, self._settings.max_memory_bytes),)
         return Outcome(run, error, messages, timer_rows, approval_rows, forget, memory)
-
-    def finish_run(self, run: Run, result: Result, *, release: bool = True,
-                   now: int | None = None) -> bool:
-        """Commit everything a run produced (its events' outcome, messages, timers,
-        approval requests) in one fenced transaction, and by default release the
-        lease in the same commit. False, with nothing written, if the fence refuses."""
-        [accepted] = self.finish_runs([self.outcome(run, result)], release=release, now=now)
-        return accepted
 
     def finish_runs(self, outcomes: list[Outcome], *, release: bool = True,
                     now: int | None = None) -> list[bool]:
@@ -228,21 +218,27 @@ class Runs:
             return []
         return self._path.in_groups(runs, lambda run: run[0], steps.recorded)
 
-    def context(self, run: Run, *, max_step_bytes: int | None = None) -> Context:
-        """A handler's context for `run`, taken without a worker (take_work,
-        claim_batch): its memory as the claim read it; its durable steps and
-        permit calls through this Inbox, one transaction each; its limits
-        (`ctx.limit`) through this process's limiter on this Inbox."""
-        limit = self.max_payload_bytes if max_step_bytes is None else max_step_bytes
-        ctx = Context(run.user, run.holder, run.gen, memory=run.memory,
-                      attempt=max((e.attempts for e in run.events), default=1),
-                      limiter=limits.limiter_for(self))
-        ctx.permits = self._direct_permits(run.user, run.holder, run.gen)
-        ctx.steps = RunSteps(run.user, run.holder, run.gen, [e.id for e in run.events],
-                             may_resume=any(e.attempts > 1 for e in run.events),
-                             journal=DirectJournal(self, run.user, [e.id for e in run.events]),
-                             max_result_bytes=limit)
-        return ctx
+    # --- permits (agent/permits.py, store/policies.py) ----------------------------------
+
+    def decide_permits(self, asks: list[PermitAsk], *,
+                       now: int | None = None) -> list[Decision | None]:
+        """Decide and record runs' permit calls in one transaction (on Citus one
+        per bucket), a Decision each, or None where the run's lease is lost. On
+        Citus a bucket whose node does not answer is left undone: PartlyDone
+        (`done`: the answers; `unknown`: the indices of the asks left undone)."""
+        now = validate.optional_epoch("now", now)
+
+        def decide(conn, group: list[PermitAsk]) -> list[Decision | None]:
+            answers: dict[int, Decision | None] = {}
+            for k in sorted(range(len(group)), key=lambda k: group[k].user):  # locks in order
+                a = group[k]
+                answer = policies.decide(conn, a.user, a.holder, a.gen, a.tool, a.args_digest,
+                                         now)
+                answers[k] = None if answer is None else Decision(*answer)
+            return [answers[k] for k in range(len(group))]
+        return self._path.in_groups(asks, lambda ask: ask.user, decide)
+
+    # --- giving back ----------------------------------------------------------------------
 
     def hand_back(self, runs: list[Run], *, now: int | None = None) -> list[str]:
         """Give back runs whose handlers never started: leases expired at once,
@@ -280,15 +276,17 @@ class Runs:
     def _timer_row(self, timer) -> dict:
         if not isinstance(timer, TimerRequest):
             raise errors.InvalidInput("timers item", timer, "must be an agent_inbox.TimerRequest")
-        return self._checked_timer(timer.timer_id, timer.due, timer.payload, timer.every, timer.key,
-                                   cron=timer.cron, timezone=timer.timezone, missed=timer.missed,
-                                   catch_up_limit=timer.catch_up_limit)
+        return scheduling.checked_timer(
+            timer.timer_id, timer.due, timer.payload, timer.every, timer.key, cron=timer.cron,
+            timezone=timer.timezone, missed=timer.missed, catch_up_limit=timer.catch_up_limit,
+            max_payload_bytes=self._settings.max_payload_bytes)
 
     def _approval_row(self, approval) -> tuple[str, dict]:
         if not isinstance(approval, ApprovalRequest):
             raise errors.InvalidInput("approvals item", approval,
                                       "must be an agent_inbox.ApprovalRequest")
-        return self._checked_approval(approval.request_id, approval.expires_in, approval.action)
+        return scheduling.checked_approval(approval.request_id, approval.expires_in,
+                                           approval.action, self._settings.max_payload_bytes)
 
 
 def _holder_of(runs: list[Run]) -> str:
@@ -299,17 +297,17 @@ def _holder_of(runs: list[Run]) -> str:
 
 
 class DirectJournal:
-    """A run's step journal through an Inbox (`Inbox.context`): each read and
+    """A run's step journal without a worker (`Inbox.context`): each read and
     record is a transaction of its own, on the Inbox's pool."""
 
-    def __init__(self, inbox: Runs, user: str, event_ids: list[int]):
-        self._inbox, self._key = inbox, (user, tuple(sorted(event_ids)))
+    def __init__(self, runs: Runs, user: str, event_ids: list[int]):
+        self._runs, self._key = runs, (user, tuple(sorted(event_ids)))
 
     def recorded(self) -> list[RecordedStep]:
-        return self._inbox.recorded_steps([self._key])[0]
+        return self._runs.recorded_steps([self._key])[0]
 
     def record(self, record: StepRecord) -> None:
-        if not self._inbox.record_steps([record])[0]:
+        if not self._runs.record_steps([record])[0]:
             raise errors.StepRefused(f"step {record.name!r} of user={record.user} "
                                      f"gen={record.gen} refused: the run's lease is lost")
 

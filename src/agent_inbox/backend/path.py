@@ -1,9 +1,10 @@
 """The run path's two implementations behind one interface, chosen once.
 
-`Inbox` (inbox.py, runs.py, scheduling.py, delivery.py) says *what* a call
-does: it checks arguments, builds the rows and reads the answers. *How* the
-run path's transactions are cut is the `RunPath` it chose when it connected
-(`for_pool`), and nothing else in the package asks which database it is on:
+`Inbox` and the objects it holds (api/inbox.py, runs.py, scheduling.py,
+delivery.py) say *what* a call does: they check arguments, build the rows and
+read the answers. *How* the run path's transactions are cut is the `RunPath`
+the Inbox was given or asked the database for (`for_pool`), and nothing else
+in the package asks which database it is on:
 
 - `SetBased`, on one PostgreSQL server: a call about many users is one
   set-based statement (or one pipeline) in one transaction: a take, a batch of
@@ -27,10 +28,13 @@ finish commits only behind its run's fence.
 from collections.abc import Callable
 from typing import Any, Protocol
 
+from agent_inbox import db
+from agent_inbox.backend.citus import layout
 from agent_inbox.backend.citus.path import PerBucket
 from agent_inbox.backend.plain import SetBased
 from agent_inbox.records import ClaimPolicy, Taken
 from agent_inbox.store import compaction, inbox, steps
+
 
 class RunPath(Protocol):
     """What the run path's calls need from the database, whichever it is."""
@@ -125,11 +129,15 @@ class RunPath(Protocol):
         not done."""
 
 
-def for_pool(pool) -> RunPath:
-    """The run path for `pool`, as Inbox.connect marked it: `pool.citus` on a
-    Citus coordinator, and there `pool.connect_node` (a node's URL -> a new
-    connection) with `citus_nodes="direct"`: the take and finish calls then go
-    straight to their bucket's node (citus_nodes.NodePools)."""
-    if not getattr(pool, "citus", False):
+def for_pool(pool, *, distributed: bool | None = None, connect_node=None) -> RunPath:
+    """The run path for `pool`: one bucket per transaction on a Citus
+    coordinator whose events table is distributed (`distributed`, asked of
+    the database when None), and there, given `connect_node` (a node's URL ->
+    a new connection), the take and finish calls go straight to their
+    bucket's node (citus/nodes.py's NodePools); else set-based."""
+    if distributed is None:
+        with db.connection(pool) as conn:
+            distributed = layout.is_distributed(conn)
+    if not distributed:
         return SetBased(pool)
-    return PerBucket(pool, getattr(pool, "connect_node", None))
+    return PerBucket(pool, connect_node)

@@ -19,7 +19,7 @@ HOUR = 3600
 
 
 def scenarios(inbox: Inbox, say: Callable[..., None] = print) -> None:
-    ttl = inbox.lease_ttl
+    ttl = inbox.settings.lease_ttl
 
     def run(holder: str, now: int, messages=()) -> list:
         gen = inbox.acquire(USER, holder, now=now)

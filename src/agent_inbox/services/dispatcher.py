@@ -79,7 +79,7 @@ class Dispatcher:
         outcome, until none is left to claim and every send has ended; then the
         seconds until a user is next due (None: nothing held). The first pass,
         and one a minute after, applies this dispatcher's gap to users paced by
-        a longer one (`Inbox.repace`): lowering --outbox-gap releases messages
+        a longer one (`Inbox.delivery.repace`): lowering --outbox-gap releases messages
         already held."""
         self._record(now)
         self.repace(now=now)
@@ -88,7 +88,7 @@ class Dispatcher:
             if free and not self.stop.is_set() and (
                     self._in_flight == 0 or free >= max(1, self.concurrency // 10)):
                 asked = min(free, CLAIM_CAP)
-                looked, batches = self.inbox.claim_due(asked, now=now)
+                looked, batches = self.inbox.delivery.claim_due(asked, now=now)
                 for batch in batches:
                     self._start(batch, now)
                 if looked < asked and self._in_flight == 0:
@@ -98,11 +98,11 @@ class Dispatcher:
             self._gather(timeout=RECLAIM_SECONDS if self._in_flight else 0)
             self._record(now)
         self._record(now)
-        pause = self.inbox.seconds_to_next_delivery(now=now)
+        pause = self.inbox.delivery.seconds_to_next_delivery(now=now)
         return None if pause is None else max(pause, CONTENDED_PAUSE)
 
     def _start(self, batch: Batch, now: int | None) -> None:
-        if self.at_most_once and not self.inbox.mark_sent([batch], now=now):
+        if self.at_most_once and not self.inbox.delivery.mark_sent([batch], now=now):
             return  # its claim was taken over: the other dispatcher sends it
         self._in_flight += 1
         self._senders.submit(self._send, batch)
@@ -171,12 +171,12 @@ class Dispatcher:
         failed = [Failure(s.batch, describe(s.error), isinstance(s.error, errors.PermanentSendError))
                   for s in ended if s.error is not None]
         if not self.at_most_once:  # else they were marked sent before they were sent
-            marked = {(b.user, b.batch) for b in self.inbox.mark_sent(sent, now=now)}
+            marked = {(b.user, b.batch) for b in self.inbox.delivery.mark_sent(sent, now=now)}
             for b in sent:
                 if (b.user, b.batch) not in marked:
                     log.warning("sent user=%s batch=%s after its claim ran out: another "
                                 "dispatcher sends it again under the same key", b.user, b.batch)
-        outcomes = {} if self.at_most_once else self.inbox.record_failed(failed, now=now)
+        outcomes = {} if self.at_most_once else self.inbox.delivery.record_failed(failed, now=now)
         for b in sent:
             metrics.SENDS.inc()
             metrics.MESSAGES_SENT.inc(len(b.ids))
@@ -204,19 +204,19 @@ class Dispatcher:
         by a longer gap than this dispatcher's are due by its gap."""
         if time.monotonic() - self._repaced_at < ADOPT_EVERY:
             return
-        repaced = self.inbox.repace(now=now)
+        repaced = self.inbox.delivery.repace(now=now)
         self._repaced_at = time.monotonic()
         if repaced:
             log.info("%d users paced by a longer gap than %d s: due by this one", repaced,
-                     self.inbox.outbox_gap)
+                     self.inbox.settings.outbox_gap)
 
     def adopt_held(self, *, now: int | None = None) -> None:
         """At most every ADOPT_EVERY seconds: make users due whose held messages
         no dispatcher is due to look at (queued by a worker older than this schema;
         never on Citus, which no such worker ran on)."""
-        if not self.inbox.adopts_held_messages or time.monotonic() - self._adopted_at < ADOPT_EVERY:
+        if not self.inbox.delivery.adopts_held_messages or time.monotonic() - self._adopted_at < ADOPT_EVERY:
             return
-        adopted = self.inbox.adopt_held(now=now)
+        adopted = self.inbox.delivery.adopt_held(now=now)
         self._adopted_at = time.monotonic()
         if adopted:
             log.info("%d users with held messages and no delivery due: looked at now", adopted)
@@ -231,7 +231,7 @@ class Dispatcher:
         Listener(url, [notify.OUTBOX], self._wake, self.stop).start()
         wake_on_stop(self.stop, self.waker)
         log.info("dispatcher started: concurrency %d, outbox gap %d s, send timeout %d s, %s, "
-                 "%s", self.concurrency, self.inbox.outbox_gap, self.inbox.send_policy.timeout,
+                 "%s", self.concurrency, self.inbox.settings.outbox_gap, self.inbox.settings.send.timeout,
                  "at most once" if self.at_most_once else "at least once",
                  "listening" if url else f"polling every {self.poll_interval:g} s")
         try:

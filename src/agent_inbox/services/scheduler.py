@@ -34,7 +34,7 @@ class Scheduler:
         fired = self.inbox.run_scheduler(now=now)
         if fired:
             log.info("fired %d timers", fired)
-        left, seconds = self.inbox.next_timer(now=now)
+        left, seconds = self.inbox.scheduling.next_timer(now=now)
         if not left:
             return seconds
         backoff = jittered(HELD_BACKOFF)

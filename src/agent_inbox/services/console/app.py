@@ -315,7 +315,7 @@ class Console:
                            events=events, older=events[-1]["id"] if more else None, runs=runs,
                            messages=messages, timers=timers, timers_total=timers_total,
                            approvals=approvals, steps=recorded, memory=memory,
-                           memory_limit=self.inbox.max_memory_bytes, rules=rules,
+                           memory_limit=self.inbox.settings.max_memory_bytes, rules=rules,
                            defaults=defaults, decisions=decisions,
                            now=lease["now"] if lease else None)
 

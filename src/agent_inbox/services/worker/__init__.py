@@ -53,7 +53,7 @@ from agent_inbox import notify
 from agent_inbox.agent.app import as_app
 from agent_inbox.services.worker import compactor
 from agent_inbox.services.worker.completer import Completer, StepWork, WorkerJournal
-from agent_inbox.services.worker.flight import MOVES, Ending, Flights, InFlight, State
+from agent_inbox.services.worker.flight import MOVES, Ending, Flights, InFlight, State, StopReason
 from agent_inbox.services.worker.keeper import Keeper, rss_mib
 from agent_inbox.services.worker.producer import Producer
 from agent_inbox.api.run_stats import RunStats
@@ -173,7 +173,7 @@ class Worker:
                 item = self._endings.get(timeout=max(0.1, deadline - time.monotonic()))
             except queue.Empty:
                 for flight in flights:
-                    self.flights.stop(flight, "timed out")
+                    self.flights.stop(flight, StopReason.TIMED_OUT)
                 continue
             endings += self.completer.answer([item], now=now)
         return self.completer.complete(endings, now=now)
@@ -186,7 +186,7 @@ class Worker:
         `url` (None: polling only). `predecessor` is the holder of the worker
         process this one replaces: its leases are released first (it died with
         its runs; `suspect`, the run it was executing then, if known: see
-        Inbox.release_holder)."""
+        Inbox.runs.release_holder)."""
         if predecessor:
             self._release_predecessor(predecessor, predecessor_fate, suspect)
         try:
@@ -229,7 +229,7 @@ class Worker:
         delays = backoff_delays()
         while not self.stop.is_set():
             try:
-                users = self.inbox.release_holder(
+                users = self.inbox.runs.release_holder(
                     predecessor, error=f"the worker process running it {fate}", suspect=suspect)
                 break
             except errors.DatabaseUnavailable as exc:
@@ -248,14 +248,14 @@ class Worker:
         period to end, then are stopped and released; then the completer drains."""
         flights, guard = self.flights, self.flights.guard
         for flight in flights.where(State.TAKEN):
-            flights.stop(flight, "shutdown")
+            flights.stop(flight, StopReason.SHUTDOWN)
         deadline = time.monotonic() + self.grace
         with guard:
             while flights.count(State.RUNNING) and time.monotonic() < deadline:
                 guard.wait(min(0.1, max(0.0, deadline - time.monotonic())))
             running = flights.where(State.RUNNING)
         for flight in running:
-            flights.stop(flight, "shutdown")
+            flights.stop(flight, StopReason.SHUTDOWN)
         with guard:
             drain_by = time.monotonic() + 30
             while flights.count() and time.monotonic() < drain_by:

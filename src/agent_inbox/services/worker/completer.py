@@ -25,12 +25,12 @@ from dataclasses import dataclass
 
 from agent_inbox import errors, metrics, tracing
 from agent_inbox.api.inbox import Inbox
-from agent_inbox.api.permissions import PermitAsk, RunPermits
+from agent_inbox.agent.permits import PermitAsk, RunPermits
 from agent_inbox.agent.result import Result
 from agent_inbox.api.runs import Outcome
 from agent_inbox.services.service import backoff_delays, jittered
 from agent_inbox.records import RecordedStep, StepRecord
-from agent_inbox.services.worker.flight import Ending, Flights, InFlight
+from agent_inbox.services.worker.flight import Ending, EndingKind, Flights, InFlight, StopReason
 from agent_inbox.api.run_stats import RunStats
 
 log = logging.getLogger("agent_inbox.worker")
@@ -123,16 +123,16 @@ class Completer:
     def complete(self, endings: list[Ending], *, now: int | None = None) -> dict[str, int]:
         """Write what the runs in `endings` came to, then drop them from the
         table. Counts: runs (handlers that ran), events, accepted (finishes)."""
-        finishes = [e for e in endings if e.kind == "finish"]
+        finishes = [e for e in endings if e.kind is EndingKind.FINISH]
         accepted, later = self._finish(finishes, now)
         self._retries += [(time.monotonic() + jittered(FINISH_RETRY), e) for e in later]
-        for error, at_once in {(e.error, e.at_once) for e in endings if e.kind == "release"}:
+        for error, at_once in {(e.error, e.at_once) for e in endings if e.kind is EndingKind.RELEASE}:
             self._release([e.flight for e in endings
-                           if e.kind == "release" and (e.error, e.at_once) == (error, at_once)],
+                           if e.kind is EndingKind.RELEASE and (e.error, e.at_once) == (error, at_once)],
                           error, at_once, now)
-        self._give_back([e.flight for e in endings if e.kind == "give_back"], now)
+        self._give_back([e.flight for e in endings if e.kind is EndingKind.GIVE_BACK], now)
         for ending in endings:
-            if ending.kind == "lost":
+            if ending.kind is EndingKind.LOST:
                 log.warning("lease lost %s: nothing committed", ending.flight.label)
                 metrics.FINISHES.labels("lease_lost").inc()
         self.flights.drop([e.flight for e in endings if e not in later])
@@ -142,7 +142,7 @@ class Completer:
                                 ending.error or getattr(ending.result, "error", None))
         self.run_stats.count(finished=sum(accepted), refused=len(accepted) - sum(accepted))
         ran = [e.flight.run for e in endings
-               if e.kind in ("finish", "release") and e not in later]
+               if e.kind in (EndingKind.FINISH, EndingKind.RELEASE) and e not in later]
         return {"runs": len(ran), "events": sum(len(run.events) for run in ran),
                 "accepted": sum(accepted)}
 
@@ -159,7 +159,7 @@ class Completer:
         reads = [w for w in work if w.record is None]
         writes = [w for w in work if w.record is not None]
         if reads:
-            answers, undone, failure = _as_far_as_done(lambda: self.inbox.recorded_steps(
+            answers, undone, failure = _as_far_as_done(lambda: self.inbox.runs.recorded_steps(
                 [(w.flight.run.user, w.flight.ctx.steps.event_ids) for w in reads]), len(reads))
             if failure is not None:
                 log.warning("reading the durable steps of %d runs failed: %s", len(undone),
@@ -176,7 +176,7 @@ class Completer:
         if not writes:
             return
         stored, undone, failure = _as_far_as_done(
-            lambda: self.inbox.record_steps([w.record for w in writes], now=now), len(writes))
+            lambda: self.inbox.runs.record_steps([w.record for w in writes], now=now), len(writes))
         if failure is not None:
             log.warning("recording %d durable steps failed: %s", len(undone), failure)
         committed = time.monotonic()
@@ -190,7 +190,7 @@ class Completer:
                 w.reply.set_result(None)
                 continue
             metrics.STEPS.labels("refused").inc()
-            if self.flights.stop(w.flight, "lost"):
+            if self.flights.stop(w.flight, StopReason.LOST):
                 log.warning("lease lost %s (a step's record was refused by the fence)",
                             w.flight.label)
             w.reply.set_exception(errors.StepRefused(
@@ -205,14 +205,14 @@ class Completer:
         if not work:
             return
         decisions, undone, failure = _as_far_as_done(
-            lambda: self.inbox.decide_permits([w.question for w in work], now=now), len(work))
+            lambda: self.inbox.runs.decide_permits([w.question for w in work], now=now), len(work))
         if failure is not None:
             log.warning("deciding %d permit calls failed: %s", len(undone), failure)
         for i, (w, decision) in enumerate(zip(work, decisions)):
             if i in undone:
                 w.reply.set_exception(_step_failure(failure))
                 continue
-            if decision is None and self.flights.stop(w.flight, "lost"):
+            if decision is None and self.flights.stop(w.flight, StopReason.LOST):
                 log.warning("lease lost %s (a permit call found it gone)", w.flight.label)
             w.reply.set_result(decision)
 
@@ -264,7 +264,7 @@ class Completer:
                           1000 * (time.monotonic() - began))
             except Exception:  # never lose the completer: the leases expire at worst
                 log.exception("completer: writing %d endings failed", len(batch))
-                self.flights.unwritten([e.flight for e in batch if e.kind != "give_back"])
+                self.flights.unwritten([e.flight for e in batch if e.kind is not EndingKind.GIVE_BACK])
                 self.flights.drop([e.flight for e in batch])
                 for ending in batch:
                     tracing.end_run(ending.flight.run, ending.kind, "its ending was not written")
@@ -289,14 +289,14 @@ class Completer:
         The flags of the finishes decided, and those to try again later: on
         Citus, the runs whose worker node did not answer while the others
         committed (retried by the completer, so that they hold up no other run)."""
-        ttl = self.inbox.lease_ttl
+        ttl = self.inbox.settings.lease_ttl
         pending = [(e.flight, self._outcome(e.flight, e.result)) for e in finishes]
         accepted: dict[InFlight, bool] = {}
         later: set[InFlight] = set()
         delays = backoff_delays(cap=5.0)
         while pending:
             try:
-                flags = self.inbox.finish_runs([outcome for _, outcome in pending], now=now)
+                flags = self.inbox.runs.finish_runs([outcome for _, outcome in pending], now=now)
             except (errors.DatabaseUnavailable, errors.TransactionConflict) as exc:
                 log.warning("finish failed for %d runs (%s); retrying", len(pending), exc)
                 if isinstance(exc, errors.PartlyDone):
@@ -333,17 +333,17 @@ class Completer:
     def _finish_alone(self, flight: InFlight, outcome: Outcome, now: int | None) -> bool:
         run = flight.run
         try:
-            [accepted] = self.inbox.finish_runs([outcome], now=now)
+            [accepted] = self.inbox.runs.finish_runs([outcome], now=now)
         except (errors.DatabaseUnavailable, errors.TransactionConflict) as exc:
             log.warning("finish of %s failed (%s): its lease expires", flight.label, exc)
             self.flights.unwritten([flight])
             return False
         except Exception as exc:
             log.exception("the result of user=%s gen=%s cannot be committed", run.user, run.gen)
-            outcome = self.inbox.outcome(
+            outcome = self.inbox.runs.outcome(
                 run, Result(error=f"the run's result could not be committed: {exc!r}"[:2000]))
             try:
-                [accepted] = self.inbox.finish_runs([outcome], now=now)
+                [accepted] = self.inbox.runs.finish_runs([outcome], now=now)
             except Exception as again:
                 log.warning("finish of %s failed again (%s): its lease expires", flight.label,
                             again)
@@ -355,10 +355,10 @@ class Completer:
     def _outcome(self, flight: InFlight, result: Result) -> Outcome:
         run, recorded = flight.run, flight.ctx.steps.written > 0
         try:
-            return self.inbox.outcome(run, result, steps_recorded=recorded)
+            return self.inbox.runs.outcome(run, result, steps_recorded=recorded)
         except errors.InvalidInput as exc:  # the handler's result was malformed
             log.error("handler result rejected user=%s gen=%s: %s", run.user, run.gen, exc)
-            return self.inbox.outcome(run, Result(error=f"invalid handler result: {exc}"),
+            return self.inbox.runs.outcome(run, Result(error=f"invalid handler result: {exc}"),
                                       steps_recorded=recorded)
 
     @staticmethod
@@ -377,7 +377,7 @@ class Completer:
         """Abandon started runs: leases expired now, attempts kept. On failure
         the leases expire after their TTL, with the same effect."""
         try:
-            released = set(self.inbox.release_runs([f.run for f in flights], error=error,
+            released = set(self.inbox.runs.release_runs([f.run for f in flights], error=error,
                                                    at_once=at_once, now=now))
         except Exception as exc:
             log.warning("could not release %d runs (%s): their leases expire", len(flights), exc)
@@ -392,7 +392,7 @@ class Completer:
         if not flights:
             return
         try:
-            given = set(self.inbox.hand_back([f.run for f in flights], now=now))
+            given = set(self.inbox.runs.hand_back([f.run for f in flights], now=now))
         except Exception as exc:
             log.warning("could not give back %d runs (%s): their leases expire", len(flights), exc)
             given = set()

@@ -83,14 +83,32 @@ class InFlight:
         return time.monotonic() - self.lease_renewed <= lease_ttl
 
 
+class StopReason(enum.StrEnum):
+    """Why a run not yet ended is stopped (`Flights.stop`)."""
+
+    LOST = "lost"                # its lease is gone
+    TIMED_OUT = "timed out"      # past --run-timeout
+    NOT_STARTED = "not started"  # its handler could not be started
+    SHUTDOWN = "shutdown"        # the worker is stopping
+
+
+class EndingKind(enum.StrEnum):
+    """What the completer writes for a run (see `Ending`)."""
+
+    FINISH = "finish"        # its result, behind the fence
+    RELEASE = "release"      # abandoned after it started: attempt counted, error recorded
+    GIVE_BACK = "give_back"  # never started: its claim undone
+    LOST = "lost"            # nothing: the lease is gone
+
+
 @dataclass(frozen=True)
 class Ending:
-    """What the completer writes for a run: `finish` (its result), `release`
-    (abandoned after it started: attempt counted, `error` recorded), `give_back`
-    (never started: claim undone), or `lost` (nothing: the lease is gone)."""
+    """What the completer writes for a run: its `kind`, and with it the
+    result (FINISH), or the error recorded and whether the events are due at
+    once (RELEASE)."""
 
     flight: InFlight
-    kind: str
+    kind: EndingKind
     result: Result | None = None
     error: str | None = None
     at_once: bool = False
@@ -172,15 +190,14 @@ class Flights:
         metrics.RUN_SECONDS.observe(seconds)
         if isinstance(outcome, Crashed):
             log.warning("quarantine run crashed %s: %s", flight.label, outcome.error)
-            self._report(Ending(flight, "release", error=outcome.error))
+            self._report(Ending(flight, EndingKind.RELEASE, error=outcome.error))
             return
         if outcome is None:  # an async handler cancelled by something else than the worker
             outcome = Result(error="the handler's task was cancelled")
-        self._report(Ending(flight, "finish", result=outcome))
+        self._report(Ending(flight, EndingKind.FINISH, result=outcome))
 
-    def stop(self, flight: InFlight, reason: str) -> bool:
-        """Stop a run not yet ended: `lost` (its lease is gone), `timed out`,
-        `not started` (it could not be), or `shutdown`. Its handler is told
+    def stop(self, flight: InFlight, reason: StopReason) -> bool:
+        """Stop a run not yet ended, for `reason`. Its handler is told
         and, where possible, stopped; the completer releases its lease (or
         gives it back if it never started). False if it had ended already."""
         was = self._settle(flight, State.STOPPED)
@@ -189,15 +206,15 @@ class Flights:
         flight.ctx.lease_lost.set()
         if flight.cancel is not None:
             flight.cancel()
-        if reason == "lost":
-            ending = Ending(flight, "lost")
+        if reason is StopReason.LOST:
+            ending = Ending(flight, EndingKind.LOST)
         elif was is State.TAKEN:
-            ending = Ending(flight, "give_back")
-        elif reason == "timed out":
-            ending = Ending(flight, "release",
+            ending = Ending(flight, EndingKind.GIVE_BACK)
+        elif reason is StopReason.TIMED_OUT:
+            ending = Ending(flight, EndingKind.RELEASE,
                             error=f"the run timed out after {self.run_timeout:g} s")
         else:
-            ending = Ending(flight, "release", at_once=True)
+            ending = Ending(flight, EndingKind.RELEASE, at_once=True)
         self._report(ending)
         return True
 

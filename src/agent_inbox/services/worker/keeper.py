@@ -20,7 +20,7 @@ from agent_inbox.services.worker import supervisor
 from agent_inbox.services.worker.executors import EventLoop
 from agent_inbox.api.inbox import Inbox
 from agent_inbox.services.service import Stop
-from agent_inbox.services.worker.flight import GOING, Flights, InFlight, State
+from agent_inbox.services.worker.flight import GOING, Flights, InFlight, State, StopReason
 
 log = logging.getLogger("agent_inbox.worker")
 
@@ -48,7 +48,7 @@ class Keeper:
     def serve(self, done: threading.Event) -> None:
         """Look for runs past their deadline and at the memory every
         WATCH_INTERVAL at most, renew the leases every TTL/4: until `done`."""
-        renew_every = max(0.2, self.inbox.lease_ttl / 4)
+        renew_every = max(0.2, self.inbox.settings.lease_ttl / 4)
         watch_every = min(WATCH_INTERVAL, renew_every, self.run_timeout / 4)
         next_renewal = time.monotonic() + renew_every
         while not done.wait(watch_every):
@@ -67,10 +67,10 @@ class Keeper:
         flights = self.flights.where(*GOING, State.ENDED)
         if not flights:
             return
-        asked, ttl = time.monotonic(), self.inbox.lease_ttl
+        asked, ttl = time.monotonic(), self.inbox.settings.lease_ttl
         keys = {f.run.key for f in flights}
         try:
-            renewed, unknown = self.inbox.renew_runs([f.run for f in flights]), set()
+            renewed, unknown = self.inbox.runs.renew_runs([f.run for f in flights]), set()
         except errors.PartlyDone as exc:  # Citus: a node did not answer for its users
             log.warning("lease renewal failed for %d runs (%s)", len(exc.unknown), exc)
             renewed, unknown = exc.done, exc.unknown
@@ -83,7 +83,7 @@ class Keeper:
                 flight.lease_renewed = asked
             elif (flight.state is not State.ENDED
                   and (key not in unknown or not flight.may_hold(ttl))):
-                if self.flights.stop(flight, "lost"):
+                if self.flights.stop(flight, StopReason.LOST):
                     log.warning("lease lost %s (renewal %s)", flight.label,
                                 "failed past the TTL" if key in unknown else "refused")
                     metrics.RENEWALS_FAILED.inc()
@@ -91,15 +91,15 @@ class Keeper:
     def time_out(self) -> None:
         """Stop the runs still going past their deadline, and those whose lease
         may have lapsed by this host's clock (renewals failing)."""
-        now, ttl = time.monotonic(), self.inbox.lease_ttl
+        now, ttl = time.monotonic(), self.inbox.settings.lease_ttl
         for flight in self.flights.where(*GOING):
             if flight.state is State.RUNNING and flight.deadline < now:
                 if self._held_up(flight):
                     continue
-                if self.flights.stop(flight, "timed out"):
+                if self.flights.stop(flight, StopReason.TIMED_OUT):
                     log.warning("run timed out after %g s %s", self.run_timeout, flight.label)
                     metrics.RUNS_TIMED_OUT.inc()
-            elif not flight.may_hold(ttl) and self.flights.stop(flight, "lost"):
+            elif not flight.may_hold(ttl) and self.flights.stop(flight, StopReason.LOST):
                 log.warning("lease lost %s (not renewed for longer than the TTL)", flight.label)
                 metrics.RENEWALS_FAILED.inc()
 

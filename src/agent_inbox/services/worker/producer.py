@@ -12,14 +12,13 @@ import time
 from typing import Callable
 
 from agent_inbox import errors, metrics, tracing
-from agent_inbox.api import limits
 from agent_inbox.agent.handler import Context
 from agent_inbox.api.inbox import Inbox
 from agent_inbox.api.runs import Run
 from agent_inbox.services.service import Stop, Waker, backoff_delays, jittered
 from agent_inbox.agent.steps import RunSteps
 from agent_inbox.services.worker.completer import WorkerJournal, worker_permits
-from agent_inbox.services.worker.flight import Flights, InFlight
+from agent_inbox.services.worker.flight import Flights, InFlight, StopReason
 from agent_inbox.api.run_stats import RunStats
 
 log = logging.getLogger("agent_inbox.worker")
@@ -51,7 +50,7 @@ class Producer:
             self._give_back_orphans(now)
         started = time.monotonic()
         try:
-            runs = self.inbox.take_runs(self.holder, users=users, now=now)
+            runs = self.inbox.runs.take_runs(self.holder, users=users, now=now)
         except errors.PartlyDone as exc:  # Citus: a node did not answer; start what was taken
             log.warning("took %d runs; the take stopped short: %s", len(exc.done), exc)
             self._unsure = True
@@ -71,20 +70,20 @@ class Producer:
                 self._start(flight)
             except Exception:  # a thread or a process could not be had: nothing ran
                 log.exception("could not start the run %s; giving it back", flight.label)
-                self.flights.stop(flight, "not started")
+                self.flights.stop(flight, StopReason.NOT_STARTED)
         return flights
 
     def _flight(self, run: Run, taken_at: float) -> InFlight:
         run = tracing.start_run(run)  # its span, ended with its ending's commit
         ctx = Context(run.user, run.holder, run.gen, memory=run.memory,
                       attempt=max((e.attempts for e in run.events), default=1),
-                      limiter=limits.limiter_for(self.inbox))
+                      limiter=self.inbox.limiter)
         flight = InFlight(run, ctx, taken_at)
         ctx.permits = worker_permits(self.flights.endings, flight)
         flight.ctx.steps = RunSteps(run.user, run.holder, run.gen, [e.id for e in run.events],
                                     may_resume=any(e.attempts > 1 for e in run.events),
                                     journal=WorkerJournal(self.flights.endings, flight),
-                                    max_result_bytes=self.inbox.max_payload_bytes)
+                                    max_result_bytes=self.inbox.settings.max_payload_bytes)
         flight.ctx.steps.trace = run.trace
         return flight
 
@@ -132,8 +131,8 @@ class Producer:
     def _give_back_orphans(self, now: int | None) -> None:
         """Give back the leases this holder holds beyond the runs in flight: runs
         a take committed whose answer the lost connection never brought."""
-        known = self.flights.known(self.inbox.lease_ttl)
-        orphans = self.inbox.hand_back_orphans(self.holder, known, now=now)
+        known = self.flights.known(self.inbox.settings.lease_ttl)
+        orphans = self.inbox.runs.hand_back_orphans(self.holder, known, now=now)
         self._unsure = False
         if orphans:
             log.warning("gave back %d runs taken by a statement whose answer was lost: users %s",
