@@ -43,6 +43,7 @@ from collections.abc import Callable, Iterator
 from typing import TypeVar
 
 import psycopg
+from psycopg.rows import tuple_row
 from psycopg_pool import ConnectionPool, PoolTimeout
 
 from agent_inbox import errors
@@ -231,6 +232,69 @@ def translated() -> Iterator[None]:
         raise
     except PoolTimeout as exc:
         raise errors.DatabaseUnavailable(str(exc).strip() or type(exc).__name__) from exc
+
+
+class CallersConnection:
+    """The caller's psycopg connection as the store's functions use it:
+    statements answer tuples whatever row factory the caller set."""
+
+    def __init__(self, conn: psycopg.Connection):
+        self._conn = conn
+
+    def execute(self, query, params=None):
+        return self._conn.cursor(row_factory=tuple_row).execute(query, params)
+
+
+CALLERS_CONNECTIONS = ("a psycopg Connection, a SQLAlchemy Connection or ORM Session "
+                       "(postgresql+psycopg://)")
+
+
+def _callers_psycopg(given) -> psycopg.Connection:
+    """The psycopg connection under `given`, checked to have (or be able to
+    open) a transaction of the caller's; InvalidInput when it cannot."""
+    if isinstance(given, psycopg.AsyncConnection):
+        raise errors.InvalidInput("connection", given, "is an asyncio connection: use "
+                                  "AsyncInbox for it, or pass " + CALLERS_CONNECTIONS)
+    if isinstance(given, psycopg.Connection):
+        conn = given
+    elif type(given).__module__.startswith("sqlalchemy."):
+        from sqlalchemy.engine import Connection as SAConnection
+        from sqlalchemy.orm import Session
+        if isinstance(given, Session):
+            given = given.connection()  # begins the session's transaction if none is open
+        if not isinstance(given, SAConnection):
+            raise errors.InvalidInput("connection", given, "must be " + CALLERS_CONNECTIONS)
+        if given.dialect.driver != "psycopg":
+            raise errors.InvalidInput(
+                "connection", given, f"uses the {given.dialect.driver} driver: agent-inbox "
+                "speaks psycopg 3 (a URL postgresql+psycopg://...)")
+        if not given.in_transaction():
+            given.begin()  # what SQLAlchemy's autobegin would do at the first statement
+        conn = given.connection.dbapi_connection
+    else:
+        raise errors.InvalidInput("connection", given, "must be " + CALLERS_CONNECTIONS)
+    if conn.closed:
+        raise errors.InvalidInput("connection", given, "is closed")
+    status = conn.info.transaction_status
+    if status == psycopg.pq.TransactionStatus.INERROR:
+        raise errors.InvalidInput("connection", given, "is in a failed transaction: roll it "
+                                  "back first")
+    if conn.autocommit and status == psycopg.pq.TransactionStatus.IDLE:
+        raise errors.InvalidInput("connection", given, "is in autocommit mode with no "
+                                  "transaction open: each statement would commit alone; "
+                                  "open one first (with conn.transaction(): ...)")
+    return conn
+
+
+@contextlib.contextmanager
+def callers_transaction(given) -> Iterator[CallersConnection]:
+    """Statements in the transaction the caller holds open on `given` (see
+    CALLERS_CONNECTIONS): they commit or roll back with it, never here. Errors
+    are translated as anywhere (a deadlock or a serialization failure is the
+    caller's to retry: its transaction is the one PostgreSQL rolled back)."""
+    conn = _callers_psycopg(given)
+    with translated():
+        yield CallersConnection(conn)
 
 
 def in_transaction(pool: ConnectionPool, work: Callable[[psycopg.Connection], T], *,

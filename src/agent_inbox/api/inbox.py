@@ -163,28 +163,45 @@ class Inbox:
     # --- inbox ---------------------------------------------------------------
 
     def ingest(self, user: str, source: str, source_id: str, payload: Any, *,
-               kind: str | None = None, traceparent: str | None = None) -> bool:
+               kind: str | None = None, traceparent: str | None = None,
+               connection: Any = None) -> bool:
         """Store an event once. False for a duplicate delivery (nothing stored).
         `kind` is what the provider calls the event (GitHub's "push"), if any.
         `traceparent` is the W3C trace context it came with (its run's span is
         a child of it; one that is malformed is ignored, never an error); by
         default the current OpenTelemetry span's, if any (tracing.py).
 
+        With `connection` (a psycopg Connection, a SQLAlchemy Connection or ORM
+        Session on postgresql+psycopg://), the event, its lease row and its
+        wake are written in the caller's open transaction and exist only if it
+        commits (the workers are notified at that commit); anything else is
+        InvalidInput, nothing stored. docs/from-your-application.md says what
+        the caller's isolation level means for a duplicate.
+
         Call it after the provider's signature check, then acknowledge."""
         user, source, source_id, kind = validate.event_names("", user, source, source_id, kind)
         encoded = validate.payload("payload", payload, self.settings.max_payload_bytes)
         traceparent = _traceparent(traceparent)
-        stored = self._path.ingest(user, lambda conn: inbox.insert(
-            conn, user, source, source_id, encoded, kind, traceparent))
+
+        def insert(conn) -> bool:
+            return inbox.insert(conn, user, source, source_id, encoded, kind, traceparent)
+
+        if connection is None:
+            stored = self._path.ingest(user, insert)
+        else:
+            with db.callers_transaction(connection) as conn:
+                stored = insert(conn)
+                self._path.events_inserted(conn, [user] if stored else [])
         metrics.count_ingested(source, stored)
         return stored
 
-    def ingest_many(self, events: Iterable[tuple]) -> list[bool]:
+    def ingest_many(self, events: Iterable[tuple], *, connection: Any = None) -> list[bool]:
         """Store many events (user, source, source_id, payload[, kind[,
         traceparent]]) in one transaction; for each, True if stored, False for a
         duplicate (of a stored event or of an earlier one in the batch). Every
         event is checked first: one bad event raises and nothing is stored (a
-        malformed traceparent is ignored, as in `ingest`)."""
+        malformed traceparent is ignored, as in `ingest`). With `connection`,
+        in the caller's open transaction, as `ingest` says."""
         if isinstance(events, (str, bytes)) or not isinstance(events, Iterable):
             raise errors.InvalidInput("events", events, "must be an iterable of tuples")
         rows = []
@@ -213,7 +230,11 @@ class Inbox:
                                                       in zip(chunk, flags) if ok])
             return [stored[n] for n in range(len(rows))]
 
-        stored = db.in_transaction(self._pool, insert_all)
+        if connection is None:
+            stored = db.in_transaction(self._pool, insert_all)
+        else:
+            with db.callers_transaction(connection) as conn:
+                stored = insert_all(conn)
         for (_, source, *_), was_stored in zip(rows, stored):
             metrics.count_ingested(source, was_stored)
         return stored

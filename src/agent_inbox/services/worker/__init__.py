@@ -129,7 +129,7 @@ class Worker:
         """Write what the runs in `endings` came to (see Completer.complete)."""
         return self.completer.complete(endings, now=now)
 
-    def stop_run(self, flight: InFlight, reason: str) -> bool:
+    def stop_run(self, flight: InFlight, reason: StopReason) -> bool:
         """Stop a run not yet ended (see Flights.stop)."""
         return self.flights.stop(flight, reason)
 
