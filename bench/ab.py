@@ -20,14 +20,22 @@ import time
 from alembic import command
 from alembic.config import Config
 
-from agent_inbox.schema import migrate
+try:
+    from agent_inbox.schema import migrate
+except ImportError:  # a revision before the layers (bench.ab's side on e.g. 5e7d469)
+    from agent_inbox import migrate
 from bench import workloads as wl
 from bench.common import RESULTS, ROOT, ours_database, resources
 
 
-def migrated_by(migrations: str, server_url: str) -> str:
-    """A new database migrated to head by the migration scripts at `migrations`."""
+def migrated_by(migrations: str, server_url: str, env: dict | None = None) -> str:
+    """A new database migrated to head by the migration scripts at `migrations`, in a
+    process of its own on that tree's code (`env`: its env.py imports that agent_inbox)."""
     url = resources().database(server_url, "ours")
+    if env is not None:
+        subprocess.run([sys.executable, "-m", "bench.ab", "-", "--migrate", migrations, url],
+                       env={**os.environ, **env}, check=True)
+        return url
     config = Config()
     config.set_main_option("script_location", migrations)
     with migrate._connection(url) as connection:
@@ -61,7 +69,16 @@ def main(argv=None) -> int:
     parser.add_argument("--seconds", type=float, default=10.0, help="W2 duration")
     parser.add_argument("--server-url", default="postgresql://postgres@127.0.0.1:5432/postgres")
     parser.add_argument("--side", help="run one repetition on this database, print its row")
+    parser.add_argument("--migrate", nargs=2, metavar=("MIGRATIONS", "URL"),
+                        help="migrate URL to head by the scripts at MIGRATIONS (this process's code)")
     args = parser.parse_args(argv)
+    if args.migrate:
+        config = Config()
+        config.set_main_option("script_location", args.migrate[0])
+        with migrate._connection(args.migrate[1]) as connection:
+            config.attributes["connection"] = connection
+            command.upgrade(config, "head")
+        return 0
     if args.side:
         print(json.dumps(one_side(args.side, args.users, args.seconds)))
         return 0
@@ -73,7 +90,7 @@ def main(argv=None) -> int:
     trees = {args.rev: {"PYTHONPATH": f"{tree}/src:{ROOT}"}, "working-tree": {}}
     out: dict = {name: [] for name in trees}
     try:
-        urls = {args.rev: migrated_by(f"{tree}/migrations", args.server_url),
+        urls = {args.rev: migrated_by(f"{tree}/migrations", args.server_url, trees[args.rev]),
                 "working-tree": ours_database(args.server_url)}
         for rep in range(args.reps):
             items = list(trees.items())

@@ -16,12 +16,18 @@ from pathlib import Path
 
 import psycopg
 
-from agent_inbox.schema import migrate
-from agent_inbox.dev import pgserver
+try:
+    from agent_inbox.schema import migrate
+    from agent_inbox.dev import pgserver
+except ImportError:  # a revision before the layers (bench.ab's side on e.g. 5e7d469)
+    from agent_inbox import migrate, pgserver
 
 ROOT = Path(__file__).resolve().parent.parent          # /work/main
 VENV_BIN = Path(sys.executable).parent
 RESULTS = ROOT / "bench" / "results"
+# Worker processes' PYTHONPATH: this checkout's src/ first (in a git worktree the
+# venv's editable install points at another checkout's src/), then the bench.
+TREE_PATH = f"{ROOT / 'src'}{os.pathsep}{ROOT}"
 DB_PREFIX = "bench"
 
 
@@ -127,7 +133,7 @@ def vacuum_analyze(url: str, *tables: str) -> None:
 # --- worker processes ----------------------------------------------------------------
 
 def spawn(cmd: list[str], env_extra: dict[str, str], log_path: str) -> subprocess.Popen:
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env = dict(os.environ, PYTHONPATH=TREE_PATH)
     env.update(env_extra)
     log = open(log_path, "ab")
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
@@ -171,7 +177,7 @@ def ours_worker_cmd(url: str, concurrency: int, poll: float, handler: str = "ben
 def ours_worker_help(env_extra: dict[str, str] | None = None) -> str:
     """`agent-inbox worker --help` as the bench's worker processes would see it (same
     PYTHONPATH): which flags this agent-inbox has (e.g. `--isolation`)."""
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env = dict(os.environ, PYTHONPATH=TREE_PATH)
     env.update(env_extra or {})
     done = subprocess.run([str(VENV_BIN / "agent-inbox"), "worker", "--help"], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=60)

@@ -17,7 +17,10 @@ import psycopg
 from procrastinate import exceptions as peer_exceptions
 
 from agent_inbox import DatabaseUnavailable, Inbox, Result, TransactionConflict
-from agent_inbox.schema import migrate
+try:
+    from agent_inbox.schema import migrate
+except ImportError:  # a revision before the layers (bench.ab's side on e.g. 5e7d469)
+    from agent_inbox import migrate
 from agent_inbox.store import inbox as inbox_store, wake_rings
 
 from bench import records
