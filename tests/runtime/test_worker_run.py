@@ -10,6 +10,7 @@ import pytest
 
 from agent_inbox.errors import DatabaseUnavailable
 from agent_inbox.services.worker import Worker
+from agent_inbox.services.worker.flight import StopReason
 
 from tests.runtime.support import wait_until
 
@@ -252,7 +253,7 @@ def test_a_stopped_async_run_is_cancelled_and_commits_nothing(inbox, worker):
     w = worker(inbox, "async_wait_for_lease_loss")
     [flight] = w.take(1, now=T)
     wait_until(lambda: flight.state == "running", "the run to start")
-    assert w.stop_run(flight, "lost")
+    assert w.stop_run(flight, StopReason.LOST)
     assert w.complete([w._endings.get(timeout=10)], now=T) == {"runs": 0, "events": 0,
                                                                 "accepted": 0}
     assert inbox.outbox("u") == [] and inbox.events("u")[0].status == "running"

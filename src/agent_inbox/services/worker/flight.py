@@ -200,6 +200,7 @@ class Flights:
         """Stop a run not yet ended, for `reason`. Its handler is told
         and, where possible, stopped; the completer releases its lease (or
         gives it back if it never started). False if it had ended already."""
+        reason = StopReason(reason)  # a plain string names the same reason
         was = self._settle(flight, State.STOPPED)
         if was is None:
             return False
