@@ -35,16 +35,17 @@ transaction pooler it is the role's or the pooler's setting:
 docs/operating/pgbouncer.md says how to turn it off there.
 """
 
+import asyncio
 import contextlib
 import math
 import random
 import time
-from collections.abc import Callable, Iterator
-from typing import TypeVar
+from collections.abc import AsyncIterator, Callable, Generator, Iterator
+from typing import Any, NamedTuple, TypeVar
 
 import psycopg
 from psycopg.rows import tuple_row
-from psycopg_pool import ConnectionPool, PoolTimeout
+from psycopg_pool import AsyncConnectionPool, ConnectionPool, PoolTimeout
 
 from agent_inbox import errors
 
@@ -104,6 +105,22 @@ class BoundedConnection(psycopg.Connection):
                                "(statement timeout): connection closed") from None
 
 
+class BoundedAsyncConnection(psycopg.AsyncConnection):
+    """BoundedConnection for asyncio: at most `bound` seconds for any answer."""
+
+    bound: float | None = None
+
+    async def wait(self, gen, *args, **kwargs):
+        if self.bound is None or args[1:] or "timeout" in kwargs or not _CAN_CUT:
+            return await super().wait(gen, *args, **kwargs)
+        try:
+            return await super().wait(gen, *args, timeout=self.bound, **kwargs)
+        except _WAIT_TIMEOUT:
+            self.pgconn.finish()  # mid-statement: never to be used again
+            raise StatementCut(f"no answer from the database within {self.bound:g} s "
+                               "(statement timeout): connection closed") from None
+
+
 # psycopg >= 3.3 ends a wait past a timeout; an older one waits unbounded.
 _WAIT_TIMEOUT = getattr(psycopg.errors, "_WaitTimeout", None)
 _CAN_CUT = _WAIT_TIMEOUT is not None
@@ -133,31 +150,39 @@ def _seconds(name: str, value: float | None) -> float | None:
     return float(value)
 
 
-def _session(name: str, pooler: str, configure, statement_timeout: float | None,
-             connect_timeout: float | None) -> tuple[dict, Callable]:
-    """What every connection of ours is opened with (its keyword arguments)
-    and the set-up each gets once opened (see open_pool)."""
+def _session(name: str, pooler: str, statement_timeout: float | None,
+             connect_timeout: float | None) -> tuple[dict, float | None, "Query | None"]:
+    """What every connection of ours is opened with (its keyword arguments),
+    the client's bound on each answer, and the session settings each gets
+    once opened (None behind a transaction pooler: see open_pool)."""
     bound = _seconds("statement_timeout", statement_timeout)
     opening = _seconds("connect_timeout", connect_timeout)
     if opening is not None:
         opening = max(2, math.ceil(opening))  # libpq: whole seconds, at least 2
-
-    def bounded(conn: psycopg.Connection) -> None:
-        conn.bound = None  # the set-up itself is not bounded by the run path's bound
-        conn.server_timeout = bound is not None and pooler == "none"
-        if pooler == "none":  # session state: not behind a transaction pooler
-            settings = {"jit": "off"}
-            if conn.server_timeout:
-                settings["statement_timeout"] = f"{max(1, int(bound * SERVER_SHARE * 1000))}ms"
-            conn.execute("SELECT set_config(name, value, false)"
+    settings = None
+    if pooler == "none":  # session state: not behind a transaction pooler
+        values = {"jit": "off"}
+        if bound is not None:
+            values["statement_timeout"] = f"{max(1, int(bound * SERVER_SHARE * 1000))}ms"
+        settings = Query("SELECT set_config(name, value, false)"
                          " FROM unnest(%s::text[], %s::text[]) AS s(name, value)",
-                         (list(settings), list(settings.values())))
+                         (list(values), list(values.values())))
+    return ({"autocommit": True, "application_name": name, **connect_options(pooler),
+             **LIVENESS, **({"connect_timeout": opening} if opening else {})}, bound, settings)
+
+
+def _set_up(bound: float | None, settings: "Query | None", configure) -> Callable:
+    """A new connection's set-up: the session settings, then `configure`,
+    then the bound (the set-up itself is not bounded by the run path's)."""
+    def set_up(conn: psycopg.Connection) -> None:
+        conn.bound = None
+        conn.server_timeout = bound is not None and settings is not None
+        if settings is not None:
+            conn.execute(settings.sql, settings.params)
         if configure is not None:
             configure(conn)
         conn.bound = bound
-
-    return ({"autocommit": True, "application_name": name, **connect_options(pooler),
-             **LIVENESS, **({"connect_timeout": opening} if opening else {})}, bounded)
+    return set_up
 
 
 def connect(url: str, *, name: str = "agent-inbox", configure=None,
@@ -166,7 +191,8 @@ def connect(url: str, *, name: str = "agent-inbox", configure=None,
     """One connection, opened and set up as open_pool's are (psycopg's errors
     go up: a refused connection at once, a silent server after
     `connect_timeout`)."""
-    kwargs, set_up = _session(name, "none", configure, statement_timeout, connect_timeout)
+    kwargs, bound, settings = _session(name, "none", statement_timeout, connect_timeout)
+    set_up = _set_up(bound, settings, configure)
     conn = BoundedConnection.connect(url, **kwargs)
     try:
         set_up(conn)
@@ -185,7 +211,7 @@ def open_pool(url: str, *, size: int, name: str = "agent-inbox", timeout: float 
     if given, is called on each new connection. Each connection opens within
     `connect_timeout` seconds and waits at most `statement_timeout` seconds for
     any answer (see the module's docstring; None for either: no bound)."""
-    kwargs, set_up = _session(name, pooler, configure, statement_timeout, connect_timeout)
+    kwargs, bound, settings = _session(name, pooler, statement_timeout, connect_timeout)
     pool = ConnectionPool(
         url,
         min_size=1,
@@ -193,13 +219,43 @@ def open_pool(url: str, *, size: int, name: str = "agent-inbox", timeout: float 
         kwargs=kwargs,
         connection_class=BoundedConnection,
         name=name,
-        configure=set_up,
+        configure=_set_up(bound, settings, configure),
         open=False,
     )
     try:
         pool.open(wait=True, timeout=timeout)
     except PoolTimeout as exc:
         pool.close()
+        raise errors.DatabaseUnavailable(f"could not connect to the database: {exc}") from None
+    return pool
+
+
+async def open_async_pool(url: str, *, size: int, name: str = "agent-inbox",
+                          timeout: float = 30.0, pooler: str = "none",
+                          configure: Callable[[Any], Any] | None = None,
+                          statement_timeout: float | None = DEFAULT_STATEMENT_TIMEOUT,
+                          connect_timeout: float | None = DEFAULT_CONNECT_TIMEOUT
+                          ) -> AsyncConnectionPool:
+    """open_pool for asyncio: the same connections (autocommit, the same
+    session settings and bounds: BoundedAsyncConnection), `configure(conn)`
+    awaited on each new one."""
+    kwargs, bound, settings = _session(name, pooler, statement_timeout, connect_timeout)
+
+    async def set_up(conn: psycopg.AsyncConnection) -> None:
+        conn.bound = None
+        if settings is not None:
+            await conn.execute(settings.sql, settings.params)
+        if configure is not None:
+            await configure(conn)
+        conn.bound = bound
+
+    pool = AsyncConnectionPool(url, min_size=1, max_size=size, kwargs=kwargs,
+                               connection_class=BoundedAsyncConnection, name=name,
+                               configure=set_up, open=False)
+    try:
+        await pool.open(wait=True, timeout=timeout)
+    except PoolTimeout as exc:
+        await pool.close()
         raise errors.DatabaseUnavailable(f"could not connect to the database: {exc}") from None
     return pool
 
@@ -234,45 +290,73 @@ def translated() -> Iterator[None]:
         raise errors.DatabaseUnavailable(str(exc).strip() or type(exc).__name__) from exc
 
 
-class CallersConnection:
-    """The caller's psycopg connection as the store's functions use it:
-    statements answer tuples whatever row factory the caller set."""
+# --- statements written once, for sync and asyncio connections ---------------
 
-    def __init__(self, conn: psycopg.Connection):
-        self._conn = conn
+class Query(NamedTuple):
+    """One statement of a call written once for both kinds of connection: its
+    SQL, its parameters and the row factory its rows are read with (tuples
+    unless said, whatever factory the connection has)."""
 
-    def execute(self, query, params=None):
-        return self._conn.cursor(row_factory=tuple_row).execute(query, params)
+    sql: str
+    params: Any = None
+    row_factory: Any = tuple_row
 
+
+Queries = Generator[Query, list, T]
+"""A call's statements as a generator: it yields each Query and is sent the
+rows it answered (a list; empty for a statement that answers none) before it
+yields the next, and returns the call's result. It does no I/O itself, so
+`run` drives it on a psycopg Connection and `run_async` on an AsyncConnection:
+the SQL and the logic between statements are spelled once (psycopg's own
+shape: its protocol is generators that a sync and an async `wait` drive)."""
+
+
+def _rows(cursor) -> list:
+    return cursor.fetchall() if cursor.description is not None else []
+
+
+def run(conn: psycopg.Connection, queries: "Queries[T]") -> T:
+    """Drive `queries` on `conn`, in whatever transaction `conn` has."""
+    try:
+        query = next(queries)
+        while True:
+            cursor = conn.cursor(row_factory=query.row_factory)
+            query = queries.send(_rows(cursor.execute(query.sql, query.params)))
+    except StopIteration as done:
+        return done.value
+
+
+async def run_async(conn: psycopg.AsyncConnection, queries: "Queries[T]") -> T:
+    """Drive `queries` on the asyncio connection `conn` (see `run`)."""
+    try:
+        query = next(queries)
+        while True:
+            cursor = conn.cursor(row_factory=query.row_factory)
+            await cursor.execute(query.sql, query.params)
+            query = queries.send(await cursor.fetchall() if cursor.description is not None
+                                 else [])
+    except StopIteration as done:
+        return done.value
+
+
+# --- the caller's own transaction ---------------------------------------------
 
 CALLERS_CONNECTIONS = ("a psycopg Connection, a SQLAlchemy Connection or ORM Session "
                        "(postgresql+psycopg://)")
+CALLERS_ASYNC_CONNECTIONS = ("a psycopg AsyncConnection, a SQLAlchemy AsyncConnection or "
+                             "AsyncSession (postgresql+psycopg://)")
 
 
-def _callers_psycopg(given) -> psycopg.Connection:
-    """The psycopg connection under `given`, checked to have (or be able to
-    open) a transaction of the caller's; InvalidInput when it cannot."""
-    if isinstance(given, psycopg.AsyncConnection):
-        raise errors.InvalidInput("connection", given, "is an asyncio connection: use "
-                                  "AsyncInbox for it, or pass " + CALLERS_CONNECTIONS)
-    if isinstance(given, psycopg.Connection):
-        conn = given
-    elif type(given).__module__.startswith("sqlalchemy."):
-        from sqlalchemy.engine import Connection as SAConnection
-        from sqlalchemy.orm import Session
-        if isinstance(given, Session):
-            given = given.connection()  # begins the session's transaction if none is open
-        if not isinstance(given, SAConnection):
-            raise errors.InvalidInput("connection", given, "must be " + CALLERS_CONNECTIONS)
-        if given.dialect.driver != "psycopg":
-            raise errors.InvalidInput(
-                "connection", given, f"uses the {given.dialect.driver} driver: agent-inbox "
-                "speaks psycopg 3 (a URL postgresql+psycopg://...)")
-        if not given.in_transaction():
-            given.begin()  # what SQLAlchemy's autobegin would do at the first statement
-        conn = given.connection.dbapi_connection
-    else:
-        raise errors.InvalidInput("connection", given, "must be " + CALLERS_CONNECTIONS)
+def _sqlalchemy_driver_checked(given) -> None:
+    if given.dialect.driver not in ("psycopg", "psycopg_async"):
+        raise errors.InvalidInput(
+            "connection", given, f"uses the {given.dialect.driver} driver: agent-inbox "
+            "speaks psycopg 3 (a URL postgresql+psycopg://...)")
+
+
+def _transaction_checked(conn, given):
+    """`conn` (the psycopg connection under `given`) if it has, or can open,
+    a transaction of the caller's; InvalidInput if not."""
     if conn.closed:
         raise errors.InvalidInput("connection", given, "is closed")
     status = conn.info.transaction_status
@@ -286,15 +370,56 @@ def _callers_psycopg(given) -> psycopg.Connection:
     return conn
 
 
-@contextlib.contextmanager
-def callers_transaction(given) -> Iterator[CallersConnection]:
-    """Statements in the transaction the caller holds open on `given` (see
-    CALLERS_CONNECTIONS): they commit or roll back with it, never here. Errors
-    are translated as anywhere (a deadlock or a serialization failure is the
-    caller's to retry: its transaction is the one PostgreSQL rolled back)."""
-    conn = _callers_psycopg(given)
-    with translated():
-        yield CallersConnection(conn)
+def _from_sqlalchemy(given) -> bool:
+    return type(given).__module__.startswith("sqlalchemy.")
+
+
+def callers_connection(given) -> psycopg.Connection:
+    """The psycopg connection under `given` (see CALLERS_CONNECTIONS), in a
+    transaction of the caller's (SQLAlchemy's is begun, as its autobegin
+    would at the first statement); InvalidInput for anything else."""
+    if isinstance(given, psycopg.AsyncConnection):
+        raise errors.InvalidInput("connection", given, "is an asyncio connection: use "
+                                  "AsyncInbox for it, or pass " + CALLERS_CONNECTIONS)
+    if isinstance(given, psycopg.Connection):
+        return _transaction_checked(given, given)
+    if not _from_sqlalchemy(given):
+        raise errors.InvalidInput("connection", given, "must be " + CALLERS_CONNECTIONS)
+    from sqlalchemy.engine import Connection as SAConnection
+    from sqlalchemy.ext.asyncio import AsyncConnection as SAAsyncConnection, AsyncSession
+    from sqlalchemy.orm import Session
+    if isinstance(given, (SAAsyncConnection, AsyncSession)):
+        raise errors.InvalidInput("connection", given, "is an asyncio connection: use "
+                                  "AsyncInbox for it, or pass " + CALLERS_CONNECTIONS)
+    if isinstance(given, Session):
+        given = given.connection()  # begins the session's transaction if none is open
+    if not isinstance(given, SAConnection):
+        raise errors.InvalidInput("connection", given, "must be " + CALLERS_CONNECTIONS)
+    _sqlalchemy_driver_checked(given)
+    if not given.in_transaction():
+        given.begin()
+    return _transaction_checked(given.connection.dbapi_connection, given)
+
+
+async def callers_async_connection(given) -> psycopg.AsyncConnection:
+    """`callers_connection` for asyncio (see CALLERS_ASYNC_CONNECTIONS)."""
+    if isinstance(given, psycopg.Connection):
+        raise errors.InvalidInput("connection", given, "is not an asyncio connection: use "
+                                  "Inbox for it, or pass " + CALLERS_ASYNC_CONNECTIONS)
+    if isinstance(given, psycopg.AsyncConnection):
+        return _transaction_checked(given, given)
+    if not _from_sqlalchemy(given):
+        raise errors.InvalidInput("connection", given, "must be " + CALLERS_ASYNC_CONNECTIONS)
+    from sqlalchemy.ext.asyncio import AsyncConnection as SAAsyncConnection, AsyncSession
+    if isinstance(given, AsyncSession):
+        given = await given.connection()  # begins the session's transaction if none is open
+    if not isinstance(given, SAAsyncConnection):
+        raise errors.InvalidInput("connection", given, "must be " + CALLERS_ASYNC_CONNECTIONS)
+    _sqlalchemy_driver_checked(given)
+    if not given.in_transaction():
+        await given.begin()
+    raw = await given.get_raw_connection()
+    return _transaction_checked(raw.driver_connection, given)
 
 
 def in_transaction(pool: ConnectionPool, work: Callable[[psycopg.Connection], T], *,
@@ -374,3 +499,46 @@ def pipelined_transaction(conn: psycopg.Connection) -> Iterator[None]:
             with contextlib.suppress(psycopg.Error):
                 conn.rollback()
         raise
+
+
+@contextlib.contextmanager
+def callers_transaction(given) -> Iterator[psycopg.Connection]:
+    """The transaction the caller holds open on `given` (see
+    CALLERS_CONNECTIONS): statements run in it commit or roll back with it,
+    never here. Errors are translated as anywhere (a deadlock or a
+    serialization failure is the caller's to retry: its transaction is the
+    one PostgreSQL rolled back)."""
+    conn = callers_connection(given)
+    with translated():
+        yield conn
+
+
+@contextlib.asynccontextmanager
+async def callers_async_transaction(given) -> AsyncIterator[psycopg.AsyncConnection]:
+    """callers_transaction for asyncio (see CALLERS_ASYNC_CONNECTIONS)."""
+    conn = await callers_async_connection(given)
+    with translated():
+        yield conn
+
+
+@contextlib.asynccontextmanager
+async def async_connection(pool: AsyncConnectionPool) -> AsyncIterator[psycopg.AsyncConnection]:
+    """`connection` for asyncio: one autocommit connection."""
+    with translated():
+        async with pool.connection() as conn:
+            yield conn
+
+
+async def async_in_transaction(pool: AsyncConnectionPool, work, *, attempts: int = 5):
+    """`in_transaction` for asyncio: `await work(conn)` in one transaction, again
+    from the start if PostgreSQL broke a deadlock by rolling it back."""
+    for attempt in range(1, attempts + 1):
+        try:
+            with translated():
+                async with pool.connection() as conn, conn.transaction():
+                    return await work(conn)
+        except errors.TransactionConflict:
+            if attempt == attempts:
+                raise
+            await asyncio.sleep(random.uniform(0, 0.01 * attempt))
+    raise AssertionError("unreachable")

@@ -90,6 +90,20 @@ class Timer:
 
 
 @dataclass(frozen=True, slots=True)
+class Approval:
+    """One approval request of a user (`Inbox.approvals`): its id, its
+    deadline (epoch seconds, the database's clock), the action it asks
+    about, and the answer that stands: 'yes', 'no', 'expired' (the deadline
+    passed first), or None while it waits (`answered_at` then None too)."""
+
+    request_id: str
+    deadline: int
+    action: Any
+    answer: str | None
+    answered_at: int | None
+
+
+@dataclass(frozen=True, slots=True)
 class Lease:
     holder: str
     gen: int

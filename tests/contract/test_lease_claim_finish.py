@@ -187,9 +187,9 @@ def test_database_clock_is_used_when_now_is_omitted(inbox, database_url):
 
 
 def test_ingest_many_reports_each_event_and_stores_each_key_once(inbox, monkeypatch):
-    from agent_inbox.api import inbox as inbox_module
+    from agent_inbox.api import calls
 
-    monkeypatch.setattr(inbox_module, "INGEST_CHUNK", 2)  # keys repeat across statements too
+    monkeypatch.setattr(calls, "INGEST_CHUNK", 2)  # keys repeat across statements too
     assert inbox.ingest("u", "chat", "old", {}) is True
     stored = inbox.ingest_many([
         ("u", "chat", "a", {"n": 1}),

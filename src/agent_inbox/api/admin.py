@@ -7,6 +7,7 @@ here is the statement it runs for one page or action, on a connection from
 The statements themselves live with their tables in store/.
 """
 
+from agent_inbox import db
 from agent_inbox.store import admin as _admin
 from agent_inbox.store import memory as _memory
 from agent_inbox.store import outbox as _outbox
@@ -28,7 +29,6 @@ lease = _views.lease
 timeline = _views.timeline
 runs = _views.runs
 messages = _views.messages
-user_approvals = _views.user_approvals
 dead_named = _views.dead_named
 unanswered = _views.unanswered
 last_minutes = _stats.last_minutes
@@ -39,11 +39,20 @@ dead = _admin.dead
 timers = _admin.timers
 failed_batches = _outbox.failed_batches
 list_steps = _steps.list_steps
-memory = _memory.get
 rules = _policies.rules
 decisions = _policies.decisions
 ANSWERS = _policies.ANSWERS
 DEFAULT_ASK_EXPIRES_IN = _policies.DEFAULT_ASK_EXPIRES_IN
+
+
+def user_approvals(conn, user: str) -> list[dict]:
+    """The user page's approvals (store/views.py)."""
+    return db.run(conn, _views.user_approvals(user))
+
+
+def memory(conn, user: str) -> dict | None:
+    """The user's memory row (store/memory.py's get)."""
+    return db.run(conn, _memory.get(user))
 
 
 def describe_answer(user: str, request: str, answer: str, standing: str) -> str:

@@ -19,14 +19,15 @@ import asyncio
 import functools
 import threading
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any
+from typing import Any, TypeVar
 
-from agent_inbox import db, errors, metrics, tracing, validate
+from agent_inbox import db, errors, validate
 from agent_inbox.agent.handler import Context
 from agent_inbox.agent.permits import (MAX_TOOL_BYTES, Decision, PermitAsk, RunPermits,
                                        check_answer)
 from agent_inbox.agent.result import Result
 from agent_inbox.agent.steps import RunSteps
+from agent_inbox.api.calls import Call, Calls
 from agent_inbox.api.delivery import Delivery, channel_of
 from agent_inbox.api.limits import Limiter
 from agent_inbox.api.runs import DirectJournal, Run, Runs
@@ -35,7 +36,7 @@ from agent_inbox.api.settings import Settings
 from agent_inbox.backend import path as run_path
 from agent_inbox.backend.citus import layout as citus
 from agent_inbox.backend.citus import nodes as routing
-from agent_inbox.records import EVENT_STATUSES, Event, OutboxMessage, RecordedStep, Timer
+from agent_inbox.records import Approval, Event, OutboxMessage, RecordedStep, Timer
 from agent_inbox.store import (admin, approvals, compaction, inbox, lease, outbox, policies,
                                retention, steps, timers)
 from agent_inbox.store import memory as memories
@@ -43,8 +44,7 @@ from agent_inbox.store.keys import user_key
 
 __all__ = ["Inbox", "Run"]
 
-# Events per statement in ingest_many.
-INGEST_CHUNK = 1000
+T = TypeVar("T")
 
 
 class Inbox:
@@ -60,6 +60,7 @@ class Inbox:
         self.settings = Settings.checked(**options)
         self._pool = pool
         self._path = path if path is not None else run_path.for_pool(pool)
+        self._calls = Calls(self._path, self.settings)
         self.runs = Runs(pool, self._path, self.settings)
         self.delivery = Delivery(pool, self._path, self.settings)
         self.scheduling = Scheduling(pool, self._path)
@@ -162,6 +163,20 @@ class Inbox:
 
     # --- inbox ---------------------------------------------------------------
 
+    def _run(self, call: Call[T], connection: Any = None) -> T:
+        """Drive `call` (api/calls.py): in the caller's open transaction on
+        `connection`, else on a pooled connection, in a transaction of its own
+        (again from the start after a deadlock) if it needs one."""
+        if connection is not None:
+            with db.callers_transaction(connection) as conn:
+                result = db.run(conn, call.queries())
+        elif call.transaction:
+            result = db.in_transaction(self._pool, lambda conn: db.run(conn, call.queries()))
+        else:
+            with db.connection(self._pool) as conn:
+                result = db.run(conn, call.queries())
+        return call.done(result)
+
     def ingest(self, user: str, source: str, source_id: str, payload: Any, *,
                kind: str | None = None, traceparent: str | None = None,
                connection: Any = None) -> bool:
@@ -179,21 +194,8 @@ class Inbox:
         the caller's isolation level means for a duplicate.
 
         Call it after the provider's signature check, then acknowledge."""
-        user, source, source_id, kind = validate.event_names("", user, source, source_id, kind)
-        encoded = validate.payload("payload", payload, self.settings.max_payload_bytes)
-        traceparent = _traceparent(traceparent)
-
-        def insert(conn) -> bool:
-            return inbox.insert(conn, user, source, source_id, encoded, kind, traceparent)
-
-        if connection is None:
-            stored = self._path.ingest(user, insert)
-        else:
-            with db.callers_transaction(connection) as conn:
-                stored = insert(conn)
-                self._path.events_inserted(conn, [user] if stored else [])
-        metrics.count_ingested(source, stored)
-        return stored
+        return self._run(self._calls.ingest(user, source, source_id, payload, kind=kind,
+                                            traceparent=traceparent), connection)
 
     def ingest_many(self, events: Iterable[tuple], *, connection: Any = None) -> list[bool]:
         """Store many events (user, source, source_id, payload[, kind[,
@@ -202,57 +204,20 @@ class Inbox:
         event is checked first: one bad event raises and nothing is stored (a
         malformed traceparent is ignored, as in `ingest`). With `connection`,
         in the caller's open transaction, as `ingest` says."""
-        if isinstance(events, (str, bytes)) or not isinstance(events, Iterable):
-            raise errors.InvalidInput("events", events, "must be an iterable of tuples")
-        rows = []
-        for n, item in enumerate(events):
-            if not isinstance(item, (tuple, list)) or len(item) not in (4, 5, 6):
-                raise errors.InvalidInput(
-                    f"events[{n}]", item,
-                    "must be (user, source, source_id, payload[, kind[, traceparent]])")
-            user, source, source_id, payload, kind, traceparent = (*item, None, None)[:6]
-            user, source, source_id, kind = validate.event_names(f"events[{n}]", user, source,
-                                                                 source_id, kind)
-            rows.append((user, source, source_id,
-                         validate.payload(f"events[{n}] payload", payload, self.settings.max_payload_bytes),
-                         kind, _traceparent(traceparent)))
-
-        def insert_all(conn) -> list[bool]:
-            stored: dict[int, bool] = {}
-            # on Citus one statement per bucket (one node each; the transaction
-            # spans the nodes the batch does)
-            for group in self._path.groups(list(enumerate(rows)), lambda item: item[1][0]):
-                for start in range(0, len(group), INGEST_CHUNK):
-                    chunk = group[start:start + INGEST_CHUNK]
-                    flags = inbox.insert_many(conn, [row for _, row in chunk])
-                    stored.update(zip((n for n, _ in chunk), flags))
-                    self._path.events_inserted(conn, [row[0] for (_, row), ok
-                                                      in zip(chunk, flags) if ok])
-            return [stored[n] for n in range(len(rows))]
-
-        if connection is None:
-            stored = db.in_transaction(self._pool, insert_all)
-        else:
-            with db.callers_transaction(connection) as conn:
-                stored = insert_all(conn)
-        for (_, source, *_), was_stored in zip(rows, stored):
-            metrics.count_ingested(source, was_stored)
-        return stored
+        return self._run(self._calls.ingest_many(events), connection)
 
     def events(self, user: str, *, status: str | None = None) -> list[Event]:
         """A user's events, ordered by id; for operators and tests."""
-        user = validate.text("user", user)
-        if status is not None and status not in EVENT_STATUSES:
-            raise errors.InvalidInput("status", status, f"must be one of {EVENT_STATUSES}")
-        with db.connection(self._pool) as conn:
-            return inbox.list_events(conn, user, status)
+        return self._run(self._calls.events(user, status=status))
 
     def memory(self, user: str) -> Any:
         """The user's memory document (None if it has none)."""
-        user = validate.text("user", user)
-        with db.connection(self._pool) as conn:
-            row = memories.get(conn, user)
-        return None if row is None else row["doc"]
+        return self._run(self._calls.memory(user))
+
+    def approvals(self, user: str, *, limit: int = 100) -> list[Approval]:
+        """The user's approval requests (records.Approval: the answer that
+        stands, or None while it waits), latest deadline first, at most `limit`."""
+        return self._run(self._calls.approvals(user, limit=limit))
 
     def set_memory(self, user: str, doc: Any, *, actor: str, now: int | None = None) -> None:
         """Replace the user's memory as an operator (None deletes it), recorded
@@ -271,7 +236,7 @@ class Inbox:
                     f"user {user!r} has a run in flight (holder {holder}, generation {gen}, "
                     f"lease expires in {expires_in} s): its finish would replace the memory; "
                     "try again once it has ended")
-            previous = memories.get(conn, user)
+            previous = db.run(conn, memories.get(user))
             memories.replace(conn, user, encoded, f"operator:{actor}", None, now)
             admin.record_memory_change(conn, user, actor, previous and previous["doc"], doc,
                                        now)
@@ -480,12 +445,7 @@ class Inbox:
                         now: int | None = None) -> str:
         """Store an answer unless the deadline has passed; returns the answer that
         stands: 'yes', 'no', 'expired', or 'unknown' for a request never made."""
-        user = validate.text("user", user)
-        request_id = validate.text("request_id", request_id)
-        answer = validate.answer("answer", answer)
-        now = validate.optional_epoch("now", now)
-        with db.transaction(self._pool) as conn:
-            return self._path.answer_approval(conn, user, request_id, answer, now)
+        return self._run(self._calls.answer_approval(user, request_id, answer, now=now))
 
     def run_scheduler(self, *, now: int | None = None) -> int:
         """Turn every due timer, across all users, into an inbox event; the number
@@ -571,8 +531,3 @@ class Inbox:
         limit = validate.positive_int("limit", limit)
         with db.connection(self._pool) as conn:
             return policies.decisions(conn, user, limit)
-
-
-def _traceparent(given) -> str | None:
-    """An event's traceparent: `given` if it is one (else none), or the current span's."""
-    return tracing.valid_traceparent(given) if given is not None else tracing.current_traceparent()

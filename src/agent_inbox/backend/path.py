@@ -30,32 +30,42 @@ from typing import Any, Protocol
 
 from agent_inbox import db
 from agent_inbox.backend.citus import layout
-from agent_inbox.backend.citus.path import PerBucket
-from agent_inbox.backend.plain import SetBased
+from agent_inbox.backend.citus.path import PerBucket, PerBucketStatements
+from agent_inbox.backend.plain import SetBased, SetBasedStatements
 from agent_inbox.records import ClaimPolicy, Taken
 from agent_inbox.store import compaction, inbox, steps
 
 
-class RunPath(Protocol):
-    """What the run path's calls need from the database, whichever it is."""
+class Statements(Protocol):
+    """How the statements of a call written once (db.Queries) are cut, with no
+    connection of its own: what an `Inbox` and an `AsyncInbox` (which has no
+    RunPath: `statements_for`) drive on their connections, or on the caller's."""
 
     distributed: bool
     """True on a Citus coordinator (PerBucket)."""
 
-    adopts_held_messages: bool
-    """Whether a dispatcher looks for held messages of users with no delivery
-    due (queued by a worker older than the deliveries schema: never on Citus)."""
+    one_statement_ingest: bool
+    """Whether storing one event is one statement (the events_inserted
+    trigger makes its lease row and wake), which needs no transaction."""
 
     def groups(self, items: list, user_of: Callable[[Any], str]) -> list[list]:
         """`items` in the groups a statement about several users is sent in."""
 
-    def ingest(self, user: str, insert: Callable[[Any], bool]) -> bool:
-        """Run `insert(conn)` (True if it stored an event of `user`) and make
-        the user's lease row and wake for a stored event."""
-
-    def events_inserted(self, conn, users: list[str]) -> None:
+    def events_inserted(self, users: list[str]) -> db.Queries[None]:
         """In an open transaction that inserted events of `users`: their lease
         rows and wakes, and the notification."""
+
+    def answer_approval(self, user: str, request_id: str, answer: str,
+                        now: int | None) -> db.Queries[str]:
+        """In an open transaction: store the answer unless expired; the one that stands."""
+
+
+class RunPath(Statements, Protocol):
+    """What the run path's calls need from the database, whichever it is."""
+
+    adopts_held_messages: bool
+    """Whether a dispatcher looks for held messages of users with no delivery
+    due (queued by a worker older than the deliveries schema: never on Citus)."""
 
     def take(self, holder: str, users: int, ttl: int, policy: ClaimPolicy,
              now: int | None) -> tuple[list[Taken], Exception | None]:
@@ -111,10 +121,6 @@ class RunPath(Protocol):
         """The calls `fire(now, limit)` that fire due timers, each a batch per
         transaction until it fires fewer than `limit`."""
 
-    def answer_approval(self, conn, user: str, request_id: str, answer: str,
-                        now: int | None) -> str:
-        """In an open transaction: store the answer unless expired; the one that stands."""
-
     def repair_dead(self, conn, pairs: list[tuple[str, int]], requeue: bool, actor: str,
                     now: int | None) -> list[dict]:
         """In an open transaction: requeue or discard the dead events among
@@ -127,6 +133,12 @@ class RunPath(Protocol):
         """Rewrite each table of compaction.TABLES without its dead tuples if
         they call for it (store/compaction.py's options); None where it is
         not done."""
+
+
+def statements_for(distributed: bool) -> Statements:
+    """The statements' cut on a Citus coordinator whose events table is
+    distributed (per bucket), or on one server (set-based)."""
+    return PerBucketStatements() if distributed else SetBasedStatements()
 
 
 def for_pool(pool, *, distributed: bool | None = None, connect_node=None) -> RunPath:

@@ -10,10 +10,28 @@ from agent_inbox.store import (admin, approvals, compaction, inbox, lease, outbo
                                wake_rings)
 from agent_inbox.store.keys import user_key, users_key
 
-class SetBased:
-    """One PostgreSQL server: set-based statements, one transaction per call."""
+class SetBasedStatements:
+    """One PostgreSQL server's statements (path.Statements): a call about many
+    users is one statement; the events_inserted trigger makes new events'
+    lease rows and wakes."""
 
     distributed = False
+    one_statement_ingest = True
+
+    def groups(self, items, user_of):
+        return [list(items)] if items else []
+
+    def events_inserted(self, users):
+        """The events_inserted trigger did it."""
+        return (yield from ())
+
+    def answer_approval(self, user, request_id, answer, now):
+        return approvals.answer(user, request_id, answer, now)
+
+
+class SetBased(SetBasedStatements):
+    """One PostgreSQL server: set-based statements, one transaction per call."""
+
     adopts_held_messages = True
 
     def __init__(self, pool):
@@ -22,16 +40,6 @@ class SetBased:
 
     def close(self):
         pass
-
-    def groups(self, items, user_of):
-        return [list(items)] if items else []
-
-    def ingest(self, user, insert):
-        with db.connection(self._pool) as conn:  # one statement; the trigger does the rest
-            return insert(conn)
-
-    def events_inserted(self, conn, users):
-        """The events_inserted trigger did it."""
 
     def take(self, holder, users, ttl, policy, now):
         with db.connection(self._pool) as conn:
@@ -117,9 +125,6 @@ class SetBased:
     def timer_firings(self, conn, now):
         return [lambda now, limit, fire=fire: fire(conn, now, limit)
                 for fire in (timers.fire_due_batch, timers.fire_due_cron)]
-
-    def answer_approval(self, conn, user, request_id, answer, now):
-        return approvals.answer(conn, user, request_id, answer, now)
 
     def repair_dead(self, conn, pairs, requeue, actor, now):
         if requeue:

@@ -7,6 +7,7 @@ duplicate. The deadline is checked in the answer's own statement against the
 database clock: past it, the expiry is stored even if no scheduler has run.
 """
 
+from agent_inbox.db import Queries, Query
 from agent_inbox.store.clock import NOW
 from agent_inbox.store.keys import user_key
 
@@ -41,17 +42,20 @@ SELECT payload->>'answer' FROM events
 """
 
 
-def answer(conn, user: str, request_id: str, answer: str, now: int | None) -> str:
+def answer(user: str, request_id: str, answer: str, now: int | None) -> Queries[str]:
+    """In the caller's transaction: the answer that stands ('unknown': no
+    such request)."""
     params = user_key(user, request_id=request_id, answer=answer, now=now,
                       timer_id=expiry_timer_id(request_id))
     while True:
-        if not conn.execute(ANSWER, params).fetchone()[0]:
+        [(known,)] = yield Query(ANSWER, params)
+        if not known:
             return "unknown"
-        standing = standing_answer(conn, user, request_id)
+        standing = yield from standing_answer(user, request_id)
         if standing is not None:  # else an operator deleted it in between: store again
             return standing
 
 
-def standing_answer(conn, user: str, request_id: str) -> str | None:
-    row = conn.execute(STANDING, user_key(user, request_id=request_id)).fetchone()
-    return None if row is None else row[0]
+def standing_answer(user: str, request_id: str) -> Queries[str | None]:
+    rows = yield Query(STANDING, user_key(user, request_id=request_id))
+    return rows[0][0] if rows else None

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from psycopg.rows import class_row
 
+from agent_inbox.db import Queries, Query
 from agent_inbox.records import ClaimPolicy, Event
 from agent_inbox import notify
 from agent_inbox.store import lease, steps, wake_rings
@@ -34,11 +35,12 @@ RETURNING id
 """
 
 
-def insert(conn, user: str, source: str, source_id: str, payload_json: str,
-           kind: str | None = None, traceparent: str | None = None) -> bool:
+def insert(user: str, source: str, source_id: str, payload_json: str,
+           kind: str | None = None, traceparent: str | None = None) -> Queries[bool]:
+    """True if stored (False: a duplicate)."""
     params = user_key(user, source=source, source_id=source_id, payload=payload_json, kind=kind,
                       traceparent=traceparent)
-    return conn.execute(INSERT, params).fetchone() is not None
+    return bool((yield Query(INSERT, params)))
 
 
 # Invariant 1 for a batch: one statement for many events; a key repeated inside
@@ -60,14 +62,14 @@ RETURNING user_id, source, source_id
 """
 
 
-def insert_many(conn, rows: list[tuple]) -> list[bool]:
+def insert_many(rows: list[tuple]) -> Queries[list[bool]]:
     """rows are (user, source, source_id, payload_json, kind[, traceparent]);
     True where stored."""
     rows = [(*row, None)[:6] for row in rows]
     columns = list(zip(*rows)) if rows else [()] * 6
     params = dict(zip(("users", "sources", "source_ids", "payloads", "kinds", "traceparents"),
                       map(list, columns)))
-    stored = {tuple(r) for r in conn.execute(INSERT_MANY, params).fetchall()}
+    stored = {tuple(r) for r in (yield Query(INSERT_MANY, params))}
     result = []
     for user, source, source_id, *_ in rows:
         key = (user, source, source_id)
@@ -629,6 +631,5 @@ SELECT {EVENT_COLUMNS} FROM events
 """
 
 
-def list_events(conn, user: str, status: str | None) -> list[Event]:
-    with conn.cursor(row_factory=class_row(Event)) as cur:
-        return cur.execute(LIST, user_key(user, status=status)).fetchall()
+def list_events(user: str, status: str | None) -> Queries[list[Event]]:
+    return (yield Query(LIST, user_key(user, status=status), class_row(Event)))

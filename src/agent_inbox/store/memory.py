@@ -9,6 +9,7 @@ the document before it: a run reads it with its claim (TAKE_WORK), after its
 lease was taken.
 """
 
+from agent_inbox.db import Queries, Query
 from agent_inbox.store.clock import NOW
 from agent_inbox.store.keys import user_key
 
@@ -42,10 +43,10 @@ SELECT m.doc, m.updated_at, m.updated_by, m.gen FROM memory m
 """
 
 
-def get(conn, user: str) -> dict | None:
+def get(user: str) -> Queries[dict | None]:
     """The user's memory row: doc, updated_at, updated_by, gen; None if none."""
-    row = conn.execute(GET, user_key(user)).fetchone()
-    return None if row is None else dict(zip(("doc", "updated_at", "updated_by", "gen"), row))
+    rows = yield Query(GET, user_key(user))
+    return dict(zip(("doc", "updated_at", "updated_by", "gen"), rows[0])) if rows else None
 
 
 # An operator's change: the user's lease row locked, and its state read (a

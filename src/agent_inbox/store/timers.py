@@ -22,7 +22,7 @@ from typing import NamedTuple
 
 import psycopg
 
-from agent_inbox import cron, errors
+from agent_inbox import cron, db, errors
 from agent_inbox.records import Timer
 from agent_inbox import notify
 from agent_inbox.store import inbox
@@ -248,7 +248,7 @@ def fire_cron(conn, user, timer_id, due, expression, zone, missed, cap, payload,
         else:
             body.update(skipped=0, overflow=total - len(emitted))
         rows.append((user, "timer", f"{timer_id}@{at}", json.dumps(body), None))
-    inbox.insert_many(conn, rows)
+    db.run(conn, inbox.insert_many(rows))
     conn.execute(ADVANCE_CRON, user_key(user, timer_id=timer_id, due=schedule.next_after(now_db)))
     return total - len(emitted)
 
@@ -270,7 +270,7 @@ def fire_every(conn, user, timer_id, due, every, missed, cap, payload, event_sou
             body.update(skipped=0, overflow=max(0, skipped + 1 - cap))
         rows.append((user, event_source or "timer", event_source_id or f"{timer_id}@{at}",
                      json.dumps(body), None))
-    inbox.insert_many(conn, rows)
+    db.run(conn, inbox.insert_many(rows))
     conn.execute(ADVANCE, user_key(user, timer_id=timer_id, done=every is None,
                                    due=due if every is None else due + (skipped + 1) * every))
     return skipped if missed == "coalesce" else max(0, skipped + 1 - cap)

@@ -14,6 +14,7 @@ console calls them; what is here are the views the CLI has no twin for.
 
 from psycopg.rows import dict_row
 
+from agent_inbox.db import Queries, Query
 from agent_inbox.store.clock import NOW
 from agent_inbox.store.keys import user_key
 
@@ -203,9 +204,10 @@ def unanswered(conn, limit: int = PAGE * 2, now: int | None = None) -> list[dict
         return cur.execute(UNANSWERED, {"limit": limit, "now": now}).fetchall()
 
 
-def user_approvals(conn, user: str, limit: int = PAGE, now: int | None = None) -> list[dict]:
-    with conn.cursor(row_factory=dict_row) as cur:
-        return cur.execute(USER_APPROVALS, user_key(user, limit=limit, now=now)).fetchall()
+def user_approvals(user: str, limit: int = PAGE, now: int | None = None) -> Queries[list[dict]]:
+    """One user's approval requests, latest deadline first, each with the
+    answer that stands (None: none yet)."""
+    return (yield Query(USER_APPROVALS, user_key(user, limit=limit, now=now), dict_row))
 
 
 # Dead events named by (user, id) pairs, by primary key: what a confirmation

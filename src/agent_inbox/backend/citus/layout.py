@@ -37,7 +37,7 @@ import logging
 
 import psycopg
 
-from agent_inbox import errors
+from agent_inbox import db, errors
 from agent_inbox.backend.citus import functions
 from agent_inbox.store.keys import BUCKET_FUNCTION
 
@@ -79,14 +79,22 @@ BUCKET_INDEXES = (
 )
 
 
-def is_distributed(conn: psycopg.Connection) -> bool:
+def distributed() -> db.Queries[bool]:
     """Whether this database is a Citus coordinator with the events table
     distributed (by `distribute`)."""
-    events = conn.execute("SELECT to_regclass('pg_catalog.pg_dist_partition') IS NOT NULL"
-                          " AND to_regclass('events') IS NOT NULL").fetchone()[0]
-    return events and conn.execute(
-        "SELECT EXISTS (SELECT 1 FROM pg_dist_partition WHERE logicalrelid = 'events'::regclass)"
-    ).fetchone()[0]
+    [(has_events,)] = yield db.Query(
+        "SELECT to_regclass('pg_catalog.pg_dist_partition') IS NOT NULL"
+        " AND to_regclass('events') IS NOT NULL")
+    if not has_events:
+        return False
+    [(is_it,)] = yield db.Query(
+        "SELECT EXISTS (SELECT 1 FROM pg_dist_partition WHERE logicalrelid = 'events'::regclass)")
+    return is_it
+
+
+def is_distributed(conn: psycopg.Connection) -> bool:
+    """`distributed()` asked on `conn`."""
+    return db.run(conn, distributed())
 
 
 def _connect(url: str) -> psycopg.Connection:

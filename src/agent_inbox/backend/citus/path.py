@@ -20,11 +20,27 @@ from agent_inbox.store.keys import bucket as bucket_of
 HUNG = "their worker node timed out a moment ago (set aside for a while)"
 
 
-class PerBucket:
+class PerBucketStatements:
+    """A Citus coordinator's statements (../path.Statements): one bucket per
+    statement; the code that inserts events makes their lease rows and wakes."""
+
+    distributed = True
+    one_statement_ingest = False
+
+    def groups(self, items, user_of):
+        return citus_nodes.by_bucket(items, user_of) if items else []
+
+    def events_inserted(self, users):
+        return citus_statements.events_inserted(users)
+
+    def answer_approval(self, user, request_id, answer, now):
+        return bucketed.answer(user, request_id, answer, now)
+
+
+class PerBucket(PerBucketStatements):
     """A Citus coordinator: one bucket per transaction, so one node per
     transaction; a node that does not answer holds up only its own users."""
 
-    distributed = True
     adopts_held_messages = False
 
     def __init__(self, pool, connect_node: Callable[[str], Any] | None = None):
@@ -56,18 +72,6 @@ class PerBucket:
                     return call(conn)
             return None
         return self._node_pools.call([bucket], failures, call)
-
-    def groups(self, items, user_of):
-        return citus_nodes.by_bucket(items, user_of) if items else []
-
-    def ingest(self, user, insert):
-        with db.transaction(self._pool) as conn:
-            stored = insert(conn)
-            self.events_inserted(conn, [user] if stored else [])
-            return stored
-
-    def events_inserted(self, conn, users):
-        citus_statements.events_inserted(conn, users)
 
     def take(self, holder, users, ttl, policy, now):
         """The buckets with due wakes, longest waiting first (read per node, no
@@ -251,9 +255,6 @@ class PerBucket:
         return [lambda now, limit, bucket=bucket: bucketed.fire_timers(conn, bucket, now, limit)
                 for bucket in bucketed.due_timer_buckets(conn, self._nodes, now,
                                                          self._node_pools)]
-
-    def answer_approval(self, conn, user, request_id, answer, now):
-        return bucketed.answer(conn, user, request_id, answer, now)
 
     def repair_dead(self, conn, pairs, requeue, actor, now):
         return bucketed.repair_dead(conn, pairs, requeue=requeue, actor=actor, now=now)

@@ -52,10 +52,10 @@ here is about one bucket, on one node.
 
 import json
 
-import psycopg
 
 from agent_inbox.backend.citus import nodes as citus_nodes
-from agent_inbox import notify
+from agent_inbox import db, notify
+from agent_inbox.db import Queries, Query
 from agent_inbox.store import admin, approvals, inbox, lease, outbox, steps, timers
 from agent_inbox.store.clock import DB_CLOCK, NOW
 from agent_inbox.store.inbox import LOOK
@@ -199,7 +199,7 @@ def fire_timers(conn, bucket: int, now: int | None, limit: int) -> timers.Batch:
     ripe = conn.execute(RIPE_IN_BUCKET, {"bucket": bucket, "now": now, "limit": limit}).fetchall()
     batch = timers.fire_each(conn, now, ripe)
     parked = {(user, timer_id) for user, timer_id, _ in batch.parked}
-    events_inserted(conn, [row[0] for row in ripe if (row[0], row[1]) not in parked])
+    db.run(conn, events_inserted([row[0] for row in ripe if (row[0], row[1]) not in parked]))
     return batch
 
 
@@ -211,19 +211,19 @@ SELECT {NOW} >= due, payload FROM timers
 """
 
 
-def answer(conn, user: str, request_id: str, answer: str, now: int | None) -> str:
+def answer(user: str, request_id: str, answer: str, now: int | None) -> Queries[str]:
     """store/approvals.py's answer, in steps: the request and whether its
     deadline has passed, then the answer (or the expiry) under its key."""
     timer_id = approvals.expiry_timer_id(request_id)
     while True:
-        request = conn.execute(REQUEST, user_key(user, timer_id=timer_id, now=now)).fetchone()
-        if request is None:
+        request = yield Query(REQUEST, user_key(user, timer_id=timer_id, now=now))
+        if not request:
             return "unknown"
-        expired, expiry = request
+        [(expired, expiry)] = request
         payload = expiry if expired else {"approval": request_id, "answer": answer}
-        if inbox.insert(conn, user, "approval", request_id, json.dumps(payload)):
-            events_inserted(conn, [user])
-        standing = approvals.standing_answer(conn, user, request_id)
+        if (yield from inbox.insert(user, "approval", request_id, json.dumps(payload))):
+            yield from events_inserted([user])
+        standing = yield from approvals.standing_answer(user, request_id)
         if standing is not None:  # else an operator deleted it in between: store again
             return standing
 
@@ -416,11 +416,11 @@ INSERT INTO wakes (bucket, user_id, at) VALUES (%(bucket)s, %(user)s, {DB_CLOCK}
 """)
 
 
-def events_inserted(conn: psycopg.Connection, users) -> None:
+def events_inserted(users) -> Queries[None]:
     """The trigger's work for `users` (each one routed), then the NOTIFY."""
     lease_row, wake = EVENTS_INSERTED
     for user in sorted(set(users)):
-        conn.execute(lease_row, user_key(user))
-        conn.execute(wake, user_key(user))
+        yield Query(lease_row, user_key(user))
+        yield Query(wake, user_key(user))
     if users:
-        conn.execute("SELECT pg_notify(%s, '')", (notify.WORK,))
+        yield Query("SELECT pg_notify(%s, '')", (notify.WORK,))
