@@ -22,8 +22,9 @@ _EXPORTS = {
     "agent_inbox.agent.handler": ["Context"],
     "agent_inbox.agent.permits": ["ApprovalNeeded", "Permit"],
     "agent_inbox.api.inbox": ["Inbox"],
+    "agent_inbox.api.async_inbox": ["AsyncInbox"],
     "agent_inbox.api.runs": ["Run"],
-    "agent_inbox.records": ["Event", "Lease", "OutboxMessage", "Timer"],
+    "agent_inbox.records": ["Approval", "Event", "Lease", "OutboxMessage", "Timer"],
     "agent_inbox.agent.result": ["ApprovalRequest", "Message", "Result", "TimerRequest"],
 }
 _MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
@@ -52,7 +53,8 @@ if TYPE_CHECKING:
     from agent_inbox.agent.app import App, Limit
     from agent_inbox.agent.handler import Context
     from agent_inbox.agent.permits import ApprovalNeeded, Permit
+    from agent_inbox.api.async_inbox import AsyncInbox
     from agent_inbox.api.inbox import Inbox
-    from agent_inbox.records import Event, Lease, OutboxMessage, Timer
+    from agent_inbox.records import Approval, Event, Lease, OutboxMessage, Timer
     from agent_inbox.agent.result import ApprovalRequest, Message, Result, TimerRequest
     from agent_inbox.api.runs import Run

@@ -257,9 +257,17 @@ class Detector:
         # setting, so not behind a transaction pooler.
         self.node_connection_timeout = node_connection_timeout
 
-    def __call__(self, conn: psycopg.Connection) -> None:
+    def set_up(self) -> db.Queries[None]:
+        """A new connection's statements (see the class)."""
         if self.distributed is None:
-            self.distributed = is_distributed(conn)
+            self.distributed = yield from distributed()
         if self.distributed and self.node_connection_timeout:
-            conn.execute("SELECT set_config('citus.node_connection_timeout', %s, false)",
-                         (f"{int(self.node_connection_timeout * 1000)}ms",))
+            yield db.Query("SELECT set_config('citus.node_connection_timeout', %s, false)",
+                           (f"{int(self.node_connection_timeout * 1000)}ms",))
+
+    def __call__(self, conn: psycopg.Connection) -> None:
+        db.run(conn, self.set_up())
+
+    async def configure_async(self, conn: psycopg.AsyncConnection) -> None:
+        """The callback of an asyncio pool (db.open_async_pool)."""
+        await db.run_async(conn, self.set_up())
