@@ -104,6 +104,13 @@ class LeaseLost(AgentInboxError):
     run is stopped; nothing it returns will commit."""
 
 
+class RunPathDamaged(AgentInboxError):
+    """State the run path depends on is missing or inconsistent (the
+    `wakes_ring` row emptied by a TRUNCATE of every table, and the like):
+    services refuse to start on it and a running worker takes nothing until
+    it is repaired; the message says what is wrong and how to repair it."""
+
+
 class UserBusy(AgentInboxError):
     """An operator's change to a user (its memory) was refused because a run
     holds the user's lease: that run's finish would replace it. Try again once

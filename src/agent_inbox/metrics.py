@@ -34,6 +34,9 @@ STEPS = Counter("agent_inbox_steps_total",
 STEP_COMMIT_SECONDS = Histogram(
     "agent_inbox_step_commit_seconds", "From a step's result to its record committed",
     buckets=(0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0))
+RUN_PATH_DAMAGED = Gauge("agent_inbox_run_path_damaged",
+                         "1 while the run path's state is damaged and no work is taken "
+                         "(errors.RunPathDamaged; the log says what and how to repair)")
 RSS = Gauge("agent_inbox_worker_rss_bytes", "The worker runtime's resident memory (--max-memory)")
 RECYCLES = Counter("agent_inbox_worker_recycles_total",
                    "Worker runtimes replaced past --max-memory (by this worker's supervisor)")

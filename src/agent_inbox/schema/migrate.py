@@ -8,6 +8,7 @@ under an advisory lock taken in migrations/env.py.
 
 import contextlib
 import io
+import logging
 from pathlib import Path
 
 import psycopg
@@ -17,6 +18,9 @@ from alembic.config import Config
 from alembic.script import ScriptDirectory
 
 from agent_inbox import db, errors
+from agent_inbox.store import wake_rings
+
+log = logging.getLogger("agent_inbox.migrate")
 
 
 def _script_location() -> str:
@@ -53,9 +57,18 @@ def _connection(url: str, pooler: str = "none"):
 
 
 def upgrade(url: str, revision: str = "head", *, pooler: str = "none") -> None:
-    """Bring the database at `url` to `revision` (default: the newest)."""
+    """Bring the database at `url` to `revision` (default: the newest), then
+    repair the run path's state if it is damaged (store/wake_rings.py's
+    pointer row, emptied by a TRUNCATE of every table), in the same
+    transaction."""
     with _connection(url, pooler) as connection:
         command.upgrade(_config(connection), revision)
+        raw = connection.connection.dbapi_connection
+        if raw.execute("SELECT to_regclass('wakes_ring')").fetchone()[0] is not None:
+            moved = wake_rings.repair(raw)
+            if moved is not None:
+                log.warning("repaired the run path's wake ring pointer (wakes_ring), "
+                            "%d wakes moved to the ring new wakes go to", moved)
 
 
 def downgrade(url: str, revision: str = "base") -> None:

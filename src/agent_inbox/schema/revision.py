@@ -1,5 +1,7 @@
 """The schema revisions this code knows, and the check every service makes at
-start: refuse a database whose schema is older than this code needs.
+start: refuse a database whose schema is older than this code needs, or whose
+run-path state is damaged (errors.RunPathDamaged: `agent-inbox migrate`
+repairs it).
 
 A database at a revision this code does not know is taken to be newer (a later
 release migrated it first, as a rolling upgrade does) and is accepted with a
@@ -16,6 +18,7 @@ import psycopg
 from agent_inbox.backend.citus import layout as citus
 from agent_inbox import db, errors
 from agent_inbox.backend.citus import functions as delegated
+from agent_inbox.store import wake_rings
 
 log = logging.getLogger("agent_inbox.revision")
 
@@ -45,6 +48,15 @@ def _revision(conn: psycopg.Connection) -> str | None:
     return row[0] if row else None
 
 
+def _run_path_damage(conn: psycopg.Connection) -> str | None:
+    """What is wrong with the state the set-based run path reads beside the
+    tables' rows (store/wake_rings.py's pointer row); None if nothing, or on
+    Citus (no wake rings there)."""
+    if conn.execute("SELECT to_regclass('wakes_ring')").fetchone()[0] is None:
+        return None
+    return wake_rings.damaged(conn)
+
+
 def _citus_functions(conn: psycopg.Connection) -> str | None:
     """On a Citus coordinator: "missing" if the run path's functions
     (backend/citus/functions.py) are not all there (laid out by an older `migrate
@@ -71,6 +83,9 @@ def require_head(url: str, *, pooler: str = "none") -> None:
                         "(another version's `migrate --citus`): going on with them; run "
                         "`agent-inbox migrate --citus` to replace them (those of releases "
                         "before plan_cache_mode grow every worker node session's memory)")
+        problem = _read(url, pooler, _run_path_damage)
+        if problem is not None:
+            raise errors.RunPathDamaged(f"the run path's state is damaged: {problem}")
         return
     if current is None or current in KNOWN:
         raise errors.SchemaNotAtHead(

@@ -58,8 +58,11 @@ some partition locks, would otherwise never let a ring be retired.
 """
 
 import time
+from typing import Any
 
 import psycopg.errors
+
+from agent_inbox import errors
 
 # The rings the run path reads (SQL, two initplans: pruned at run time).
 LIVE = "(SELECT ring FROM wakes_ring), (SELECT last_value::smallint FROM wakes_insert_ring)"
@@ -104,6 +107,56 @@ SELECT substr(c.relname, length('wakes_') + 1)::int AS ring, pg_relation_size(c.
 LIVE_RINGS = ("SELECT ring FROM wakes_ring"
               " UNION SELECT last_value::smallint FROM wakes_insert_ring")
 
+# The pointer row (one at most: its primary key), naming an attached partition of `wakes`.
+POINTER = """
+SELECT count(*), min(r.ring), bool_and(EXISTS (
+           SELECT 1 FROM pg_inherits i WHERE i.inhparent = 'wakes'::regclass
+              AND i.inhrelid = to_regclass('wakes_' || r.ring)))
+  FROM wakes_ring r
+"""
+
+REPAIR_HINT = "run `agent-inbox migrate` to repair it (store/wake_rings.py, repair)"
+
+
+def damaged(conn: psycopg.Connection[Any]) -> str | None:
+    """What is wrong with the `wakes_ring` pointer row, None if nothing: with
+    it missing the takes find no live ring and take nothing, silently (a
+    TRUNCATE of every table empties it)."""
+    rows, ring, attached = conn.execute(POINTER).fetchone()
+    if rows == 0:
+        return f"the table wakes_ring is empty (it must hold one row): {REPAIR_HINT}"
+    if not attached:
+        return (f"the table wakes_ring names ring {ring}, which is no partition of wakes: "
+                f"{REPAIR_HINT}")
+    return None
+
+
+def checked_live(conn: psycopg.Connection[Any]) -> list[int]:
+    """`live`, or RunPathDamaged if the pointer row is damaged."""
+    problem = damaged(conn)
+    if problem is not None:
+        raise errors.RunPathDamaged(problem)
+    return live(conn)
+
+
+def repair(conn: psycopg.Connection[Any]) -> int | None:
+    """In the caller's transaction: if the pointer row is damaged, make it
+    name the ring new wakes go to and move every wake there (whatever ring
+    it is in: none is lost); the wakes moved, or None if nothing was wrong."""
+    if damaged(conn) is None:
+        return None
+    conn.execute("LOCK TABLE wakes IN EXCLUSIVE MODE")
+    [target] = conn.execute("SELECT last_value::smallint FROM wakes_insert_ring").fetchone()
+    if conn.execute("SELECT to_regclass(%s) IS NULL", (f"wakes_{target}",)).fetchone()[0]:
+        conn.execute(f"CREATE TABLE wakes_{target} (LIKE wakes INCLUDING DEFAULTS)")
+        conn.execute(f"ALTER TABLE wakes ATTACH PARTITION wakes_{target}"
+                     f" FOR VALUES IN ({target})")
+    conn.execute("DELETE FROM wakes_ring")
+    conn.execute("INSERT INTO wakes_ring (ring) VALUES (%s)", (target,))
+    rings = [ring for ring, in conn.execute("SELECT DISTINCT ring FROM wakes").fetchall()]
+    return conn.execute(MOVE, {"from": rings, "to": target}).rowcount if rings else 0
+
+
 MOVE = """
 WITH moved AS (
     DELETE FROM wakes WHERE ring = ANY(%(from)s) AND ring <> %(to)s
@@ -134,12 +187,12 @@ class Given:
     def params(self, conn) -> dict:
         rings = self._rings
         if rings is None:
-            rings = self._rings = live(conn)
+            rings = self._rings = checked_live(conn)
         return {"ring_a": rings[0], "ring_b": rings[-1]}
 
     def read_again(self, conn) -> bool:
         """Read the live rings again: whether they changed."""
-        before, self._rings = self._rings, live(conn)
+        before, self._rings = self._rings, checked_live(conn)
         return self._rings != before
 
 

@@ -32,6 +32,10 @@ TAKE_AT_ONCE = 0.1
 # hundreds start after one short statement rather than all after one long one.
 TAKE_CHUNK = 200
 
+# Seconds between the error lines a worker logs while the run path's state is
+# damaged (errors.RunPathDamaged): it takes nothing until it is repaired.
+DAMAGE_REPEAT = 60.0
+
 
 class Producer:
     def __init__(self, inbox: Inbox, flights: Flights, run_stats: RunStats, *, holder: str,
@@ -43,6 +47,10 @@ class Producer:
         self._start = start  # starts a run's handler (Worker.start)
         self._memory_full = memory_full  # past --max-memory: no more takes (Keeper.check_memory)
         self._unsure = False  # a take lost its answer: it may have taken runs unseen
+        # Since when (host monotonic) the run path's state is damaged, None if it is
+        # not, and when that was last logged.
+        self._damaged_since: float | None = None
+        self._damaged_said = 0.0
 
     def take(self, users: int, *, now: int | None = None) -> list[InFlight]:
         """Take up to `users` users' runs in one statement and start them."""
@@ -110,6 +118,20 @@ class Producer:
             try:
                 flights = self.take(min(self._free(), TAKE_CHUNK))
                 delays = backoff_delays()
+                if self._damaged_since is not None:
+                    log.warning("producer: the run path's state is repaired; taking work again")
+                    self._damaged_since = None
+                    metrics.RUN_PATH_DAMAGED.set(0)
+            except errors.RunPathDamaged as exc:  # loud, never idle in silence
+                now = time.monotonic()
+                if self._damaged_since is None or now - self._damaged_said >= DAMAGE_REPEAT:
+                    log.error("producer: taking no work: %s", exc)
+                    self._damaged_said = now
+                if self._damaged_since is None:
+                    self._damaged_since = now
+                    metrics.RUN_PATH_DAMAGED.set(1)
+                self.stop.wait(jittered(self.poll_interval))
+                continue
             except errors.DatabaseUnavailable as exc:
                 pause = next(delays)
                 log.warning("producer: database unavailable (%s); retrying in %.1f s", exc, pause)
