@@ -236,4 +236,4 @@ class Compaction:
 
 # A taken run as the store answers it:
 # (user, gen, claimed_at, died, unfinished, memory, events).
-Taken = tuple
+Taken = tuple[Any, ...]

@@ -19,3 +19,15 @@ def test_the_source_passes_ruff():
     done = subprocess.run([ruff, "check", "--no-cache", "src", "migrations"], cwd=ROOT,
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_the_store_passes_mypy_strict():
+    """The SQL layer's signatures are checked ([tool.mypy] in pyproject.toml:
+    store/ under strict): a statement function that returns the wrong shape,
+    or a caller that passes the wrong one, fails here."""
+    mypy = shutil.which("mypy", path=str(Path(sys.executable).parent)) or shutil.which("mypy")
+    if mypy is None:
+        pytest.skip("mypy is not installed (pip install -e '.[test]' brings it)")
+    done = subprocess.run([mypy, "--no-incremental"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr

@@ -25,15 +25,21 @@ every run-path transaction locks the lease rows it is about first, and a
 finish commits only behind its run's fence.
 """
 
-from collections.abc import Callable
-from typing import Any, Protocol
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol, TypeVar
+
+import psycopg
+from psycopg_pool import ConnectionPool
 
 from agent_inbox import db
 from agent_inbox.backend.citus import layout
 from agent_inbox.backend.citus.path import PerBucket, PerBucketStatements
 from agent_inbox.backend.plain import SetBased, SetBasedStatements
-from agent_inbox.records import ClaimPolicy, Taken
-from agent_inbox.store import compaction, inbox, steps
+from agent_inbox.records import ClaimPolicy, Compaction, StepRecord, Taken
+from agent_inbox.store import inbox, timers
+
+T = TypeVar("T")  # an item of a call about several users
+R = TypeVar("R")  # what a piece of work answers
 
 
 class Statements(Protocol):
@@ -48,7 +54,7 @@ class Statements(Protocol):
     """Whether storing one event is one statement (the events_inserted
     trigger makes its lease row and wake), which needs no transaction."""
 
-    def groups(self, items: list, user_of: Callable[[Any], str]) -> list[list]:
+    def groups(self, items: Sequence[T], user_of: Callable[[T], str]) -> list[list[T]]:
         """`items` in the groups a statement about several users is sent in."""
 
     def events_inserted(self, users: list[str]) -> db.Queries[None]:
@@ -73,35 +79,36 @@ class RunPath(Statements, Protocol):
         (committed) and the failure that cut the take short (None if none)."""
 
     def renew(self, holder: str, keys: list[tuple[str, int]], ttl: int,
-              now: int | None) -> set:
+              now: int | None) -> set[tuple[str, int]]:
         """The (user, gen) keys extended; PartlyDone if some are unknown."""
 
-    def release(self, conn, holder: str, keys: list[tuple[str, int]], now: int | None,
-                **options) -> list[str]:
+    def release(self, conn: psycopg.Connection[Any], holder: str, keys: list[tuple[str, int]],
+                now: int | None, **options: Any) -> list[str]:
         """Expire held leases (store/lease.release's options); the users released."""
 
-    def held_by(self, conn, holder: str, now: int | None) -> list[tuple[str, int]]:
+    def held_by(self, conn: psycopg.Connection[Any], holder: str,
+                now: int | None) -> list[tuple[str, int]]:
         """The (user, gen) of the unexpired leases `holder` holds."""
 
     def finish_one(self, finish: inbox.Finish, now: int | None) -> bool:
         """One run's fenced finish, its lease kept."""
 
     def finish_many(self, finishes: list[inbox.Finish], release: bool, now: int | None,
-                    writes_timers: list[bool], write_timers: Callable[[Any, int], None]
-                    ) -> list[bool]:
+                    writes_timers: list[bool],
+                    write_timers: Callable[[psycopg.Connection[Any], int], None]) -> list[bool]:
         """Fenced finishes: a flag per finish; `write_timers(conn, i)` is called,
         in the finish's transaction, for each accepted finish i that
         `writes_timers[i]`."""
 
-    def in_groups(self, items: list, user_of: Callable[[Any], str],
-                  work: Callable[[Any, list], list]) -> list:
+    def in_groups(self, items: Sequence[T], user_of: Callable[[T], str],
+                  work: Callable[[psycopg.Connection[Any], list[T]], Sequence[R]]) -> list[R]:
         """`work(conn, group)` (an answer per item of the group, in its order)
         in a transaction per group of `items`: the answers in the items' order.
         PerBucket: a group whose node does not answer is left undone and the
         others are done: PartlyDone, whose `done` holds the answers (None where
         undone) and `unknown` the indices of the items left undone."""
 
-    def record_steps(self, records: list[steps.StepRecord], now: int | None) -> list[bool]:
+    def record_steps(self, records: list[StepRecord], now: int | None) -> list[bool]:
         """Step records behind their runs' fences: a flag per record (in_groups)."""
 
     def hand_back(self, runs: list[tuple[str, str, int, bool]], now: int | None) -> list[str]:
@@ -113,23 +120,25 @@ class RunPath(Statements, Protocol):
         """Give back every unexpired lease of `holder` but the `known` keys."""
 
     def claim_due_deliveries(self, limit: int, now: int | None,
-                             claim: Callable[[Any, list[str]], list]) -> tuple[int, list]:
+                             claim: Callable[[psycopg.Connection[Any], list[str]], list[R]]
+                             ) -> tuple[int, list[R]]:
         """Lock up to `limit` users whose delivery is due and `claim(conn,
         users)` their batches in the same transaction: (users locked, batches)."""
 
-    def timer_firings(self, conn, now: int | None) -> list[Callable[[int | None, int], Any]]:
+    def timer_firings(self, conn: psycopg.Connection[Any], now: int | None
+                      ) -> list[Callable[[int | None, int], timers.Batch]]:
         """The calls `fire(now, limit)` that fire due timers, each a batch per
         transaction until it fires fewer than `limit`."""
 
-    def repair_dead(self, conn, pairs: list[tuple[str, int]], requeue: bool, actor: str,
-                    now: int | None) -> list[dict]:
+    def repair_dead(self, conn: psycopg.Connection[Any], pairs: list[tuple[str, int]],
+                    requeue: bool, actor: str, now: int | None) -> list[dict[str, Any]]:
         """In an open transaction: requeue or discard the dead events among
         (user, id) pairs (store/admin.py); the rows repaired."""
 
     def close(self) -> None:
         """Close what the run path opened besides the pool (Inbox.close)."""
 
-    def compact(self, **options) -> list[compaction.Compaction] | None:
+    def compact(self, **options: Any) -> list[Compaction] | None:
         """Rewrite each table of compaction.TABLES without its dead tuples if
         they call for it (store/compaction.py's options); None where it is
         not done."""
@@ -141,7 +150,8 @@ def statements_for(distributed: bool) -> Statements:
     return PerBucketStatements() if distributed else SetBasedStatements()
 
 
-def for_pool(pool, *, distributed: bool | None = None, connect_node=None) -> RunPath:
+def for_pool(pool: ConnectionPool[Any], *, distributed: bool | None = None,
+             connect_node: Callable[[str], psycopg.Connection[Any]] | None = None) -> RunPath:
     """The run path for `pool`: one bucket per transaction on a Citus
     coordinator whose events table is distributed (`distributed`, asked of
     the database when None), and there, given `connect_node` (a node's URL ->

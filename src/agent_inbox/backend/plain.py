@@ -5,6 +5,10 @@ each new event's lease row and wake. path.py states the interface.
 """
 
 
+from typing import Any
+
+import psycopg
+
 from agent_inbox import db
 from agent_inbox.store import (admin, approvals, compaction, inbox, lease, outbox, steps, timers,
                                wake_rings)
@@ -52,10 +56,10 @@ class SetBased(SetBasedStatements):
         with db.connection(self._pool) as conn:
             return lease.renew(conn, holder, keys, ttl, now)
 
-    def release(self, conn, holder, keys, now, **options):
+    def release(self, conn: psycopg.Connection[Any], holder, keys, now, **options):
         return lease.release(conn, holder, keys, now, **options) if keys else []
 
-    def held_by(self, conn, holder, now):
+    def held_by(self, conn: psycopg.Connection[Any], holder, now):
         return lease.held_by(conn, holder, now)
 
     def finish_one(self, finish, now):
@@ -94,7 +98,7 @@ class SetBased(SetBasedStatements):
             return work(conn, list(items))
 
     def record_steps(self, records, now):
-        def record(conn, group):
+        def record(conn: psycopg.Connection[Any], group):
             kept = steps.record(conn, group, now)
             return [(r.user, r.gen, r.position) in kept for r in group]
         return self.in_groups(records, lambda record: record.user, record)
@@ -122,11 +126,11 @@ class SetBased(SetBasedStatements):
             locked = outbox.lock_due(conn, limit, now)
             return len(locked), claim(conn, locked)
 
-    def timer_firings(self, conn, now):
+    def timer_firings(self, conn: psycopg.Connection[Any], now):
         return [lambda now, limit, fire=fire: fire(conn, now, limit)
                 for fire in (timers.fire_due_batch, timers.fire_due_cron)]
 
-    def repair_dead(self, conn, pairs, requeue, actor, now):
+    def repair_dead(self, conn: psycopg.Connection[Any], pairs, requeue, actor, now):
         if requeue:
             return admin.requeue(conn, pairs, now, actor)
         return admin.discard(conn, pairs, actor)

@@ -13,7 +13,9 @@ so a redelivery of the same (user, source, source_id) is stored and run again.
 """
 
 import json
+from typing import Any
 
+import psycopg
 from psycopg.rows import dict_row
 
 from agent_inbox import notify
@@ -74,7 +76,7 @@ SELECT clock.now, page.*
 _TOTALS = ("users", "pending", "running", "dead", "outbox_held", "outbox_failed")
 
 
-def status(conn, limit: int, now: int | None) -> dict:
+def status(conn: psycopg.Connection[Any], limit: int, now: int | None) -> dict[str, Any]:
     """{"now", "users": [per user, busiest first], "totals": over every user}."""
     with conn.cursor(row_factory=dict_row) as cur:
         rows = cur.execute(STATUS, {"limit": limit, "now": now}).fetchall()
@@ -101,7 +103,7 @@ SELECT id, source, source_id, kind, status, attempts, error, claim_gen,
 """
 
 
-def events(conn, user: str, status: str | None, limit: int) -> tuple[list[dict], int]:
+def events(conn: psycopg.Connection[Any], user: str, status: str | None, limit: int) -> tuple[list[dict[str, Any]], int]:
     """(events newest first, without payloads; how many match in all)."""
     with conn.cursor(row_factory=dict_row) as cur:
         rows = cur.execute(EVENTS, user_key(user, status=status, limit=limit)).fetchall()
@@ -122,7 +124,7 @@ SELECT user_id AS "user", id, source, source_id, attempts, error, created_at, cl
 """
 
 
-def dead(conn, user: str | None, limit: int) -> tuple[list[dict], int]:
+def dead(conn: psycopg.Connection[Any], user: str | None, limit: int) -> tuple[list[dict[str, Any]], int]:
     with conn.cursor(row_factory=dict_row) as cur:
         rows = cur.execute(DEAD, user_key(user, limit=limit)).fetchall()
     total = rows[0]["total"] if rows else 0
@@ -140,7 +142,7 @@ SELECT id, user_id, status FROM events
 """
 
 
-def resolve(conn, ids: list[int], user: str | None) -> dict[int, tuple[str, str]]:
+def resolve(conn: psycopg.Connection[Any], ids: list[int], user: str | None) -> dict[int, tuple[str, str]]:
     """{id: (user, status)} for the ids that exist (and are the user's, if named)."""
     rows = conn.execute(RESOLVE, user_key(user, ids=ids)).fetchall()
     return {event_id: (owner, state) for event_id, owner, state in rows}
@@ -211,7 +213,7 @@ SELECT user_id AS "user", id, source, source_id, attempts AS previous_attempts,
 WAKE_WORKERS = f"SELECT pg_notify('{notify.WORK}', '')"
 
 
-def requeue(conn, pairs: list[tuple[str, int]], now: int | None, actor: str) -> list[dict]:
+def requeue(conn: psycopg.Connection[Any], pairs: list[tuple[str, int]], now: int | None, actor: str) -> list[dict[str, Any]]:
     """Requeue the dead events among (user, id) pairs, record it, and wake the
     workers; the rows requeued, with the attempts and error they had."""
     users, ids = _columns(pairs)
@@ -248,7 +250,7 @@ SELECT user_id AS "user", id, source, source_id, attempts, error
 """
 
 
-def discard(conn, pairs: list[tuple[str, int]], actor: str) -> list[dict]:
+def discard(conn: psycopg.Connection[Any], pairs: list[tuple[str, int]], actor: str) -> list[dict[str, Any]]:
     """Delete the dead events among (user, id) pairs, recording each (with its
     payload); the rows deleted."""
     users, ids = _columns(pairs)
@@ -266,7 +268,7 @@ SELECT user_id AS "user", id, at, actor, action, event_id, detail
 """
 
 
-def actions(conn, user: str | None, limit: int) -> list[dict]:
+def actions(conn: psycopg.Connection[Any], user: str | None, limit: int) -> list[dict[str, Any]]:
     with conn.cursor(row_factory=dict_row) as cur:
         return cur.execute(ACTIONS, user_key(user, limit=limit)).fetchall()
 
@@ -290,7 +292,7 @@ SELECT t.timer_id, t.due, t.every, t.cron, t.timezone, t.missed, t.catch_up_limi
 """
 
 
-def timers(conn, user: str, limit: int, now: int | None) -> tuple[list[dict], int]:
+def timers(conn: psycopg.Connection[Any], user: str, limit: int, now: int | None) -> tuple[list[dict[str, Any]], int]:
     """(timers, how many the user has). `key` is the fixed (source, source_id) of
     a one-off, else None (each occurrence is keyed ('timer', '<id>@<at>'));
     `state` is 'waiting', 'done' or 'parked' (with `parked_at` and `error`)."""
@@ -309,7 +311,7 @@ def _columns(pairs: list[tuple[str, int]]) -> tuple[list[str], list[int]]:
     return [user for user, _ in pairs], [event_id for _, event_id in pairs]
 
 
-def _without(row: dict, key: str) -> dict:
+def _without(row: dict[str, Any], key: str) -> dict[str, Any]:
     return {k: v for k, v in row.items() if k != key}
 
 
@@ -321,7 +323,8 @@ VALUES (%(bucket)s, %(user)s, {NOW}, %(actor)s, %(action)s, %(detail)s::jsonb)
 """
 
 
-def record_memory_change(conn, user: str, actor: str, previous, doc, now: int | None) -> None:
+def record_memory_change(conn: psycopg.Connection[Any], user: str, actor: str, previous: object, doc: object,
+                         now: int | None) -> None:
     conn.execute(RECORD_MEMORY, user_key(
         user, actor=actor, now=now, action="memory_clear" if doc is None else "memory_set",
         detail=json.dumps({"previous": previous, "memory": doc})))

@@ -52,10 +52,12 @@ runs gains 8 % without compaction (bench/results/ab_30952a7.json).
 """
 
 
+from typing import Any
+
 import psycopg.errors
 
 from agent_inbox.records import BUSY, COMPACTED, FEW_DEAD, NOT_GRANTED, NOT_HELD, Compaction
-from agent_inbox.store import wake_rings
+from agent_inbox.store import one, wake_rings
 
 # Asked for the table lock: the most any take, finish or ingest waits behind it.
 LOCK_TIMEOUT_MS = 50
@@ -109,7 +111,7 @@ $compact$
 """
 
 
-def compact(conn, table: str, *, min_dead: int = MIN_DEAD, ratio: float = RATIO,
+def compact(conn: psycopg.Connection[Any], table: str, *, min_dead: int = MIN_DEAD, ratio: float = RATIO,
             held_for: float | None = HELD_FOR,
             lock_timeout_ms: int = LOCK_TIMEOUT_MS) -> Compaction:
     """Compact `table` (one of TABLES) if its dead tuples call for it and the
@@ -122,15 +124,15 @@ def compact(conn, table: str, *, min_dead: int = MIN_DEAD, ratio: float = RATIO,
     lock_timeout = f"{int(lock_timeout_ms)}ms"
     if table == "wakes":  # what earlier rotations retired, whatever this look finds;
         with conn.transaction():  # committed at once: it holds the locks it had
-            if conn.execute("SELECT pg_try_advisory_xact_lock(%s)",
-                            (ADVISORY_KEY,)).fetchone()[0]:
+            if one(conn.execute("SELECT pg_try_advisory_xact_lock(%s)",
+                                (ADVISORY_KEY,)))[0]:
                 conn.execute("SELECT set_config('lock_timeout', %s, true)", (lock_timeout,))
                 wake_rings.retire(conn)
     with conn.transaction():
         # wakes: the partitions of its live rings (store/wake_rings.py)
         relations = wake_rings.relations(conn) if table == "wakes" else [table]
-        acquired, dead, live, held = conn.execute(COUNTS, {
-            "key": ADVISORY_KEY, "relations": relations, "held_for": held_for}).fetchone()
+        acquired, dead, live, held = one(conn.execute(COUNTS, {
+            "key": ADVISORY_KEY, "relations": relations, "held_for": held_for}))
         if not acquired:
             return Compaction(table, BUSY, dead, live)
         conn.execute("SELECT set_config('lock_timeout', %s, true)", (lock_timeout,))
@@ -144,7 +146,7 @@ def compact(conn, table: str, *, min_dead: int = MIN_DEAD, ratio: float = RATIO,
                     kept = wake_rings.rotate(conn)
                 else:
                     conn.execute(COMPACT.format(table=table))
-                    kept = conn.execute(f"SELECT count(*) FROM {table}").fetchone()[0]
+                    kept = one(conn.execute(f"SELECT count(*) FROM {table}"))[0]
         except psycopg.errors.LockNotAvailable:
             return Compaction(table, NOT_GRANTED, dead, live)
     if table == "wakes":

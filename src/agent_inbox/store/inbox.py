@@ -7,8 +7,12 @@ attempts), a retried event is claimed alone, and after max_attempts claims an
 event is parked as 'dead', where operators can see it.
 """
 
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
+from typing import Any
 
+import psycopg
 from psycopg.rows import class_row
 
 from agent_inbox.db import Queries, Query
@@ -62,7 +66,7 @@ RETURNING user_id, source, source_id
 """
 
 
-def insert_many(rows: list[tuple]) -> Queries[list[bool]]:
+def insert_many(rows: list[tuple[Any, ...]]) -> Queries[list[bool]]:
     """rows are (user, source, source_id, payload_json, kind[, traceparent]);
     True where stored."""
     rows = [(*row, None)[:6] for row in rows]
@@ -231,7 +235,8 @@ SELECT * FROM claimed ORDER BY id
 """
 
 
-def send_claim(conn, user: str, holder: str, gen: int, policy: ClaimPolicy, now: int | None):
+def send_claim(conn: psycopg.Connection[Any], user: str, holder: str, gen: int, policy: ClaimPolicy,
+               now: int | None) -> psycopg.Cursor[Event]:
     """Send CLAIM without reading the events (pipeline mode): `.fetchall()`."""
     params = user_key(user, holder=holder, gen=gen, now=now, **policy.params())
     return conn.cursor(row_factory=class_row(Event)).execute(CLAIM, params)
@@ -396,15 +401,17 @@ SELECT took.user_id, took.gen, clock.now, coalesce(tally.died, 0), coalesce(tall
 GENERIC_PLAN = "SELECT set_config('plan_cache_mode', 'force_generic_plan', true)"
 
 
-def take_work(conn, holder: str, ttl: int, policy: ClaimPolicy, now: int | None,
-              rings: wake_rings.Given, users: int = 1, pipelined=None) -> list[tuple]:
+def take_work(conn: psycopg.Connection[Any], holder: str, ttl: int, policy: ClaimPolicy, now: int | None,
+              rings: wake_rings.Given, users: int = 1,
+              pipelined: Callable[[psycopg.Connection[Any]], AbstractContextManager[None]] | None = None
+              ) -> list[tuple[Any, ...]]:
     """TAKE_WORK in the rings `rings` names; read_taken's rows. A take that
     took nothing reads the rings again, and, if they changed (a rotation since
     they were read), takes again. With `pipelined` (db.pipelined_transaction),
     each take is its own transaction, with GENERIC_PLAN, in one round trip."""
     params = {"holder": holder, "ttl": ttl, "now": now, "users": users, **policy.params()}
 
-    def take() -> list[tuple]:
+    def take() -> list[tuple[Any, ...]]:
         given = {**params, **rings.params(conn)}
         if pipelined is None:
             return read_taken(conn.execute(TAKE_WORK, given))
@@ -419,13 +426,13 @@ def take_work(conn, holder: str, ttl: int, policy: ClaimPolicy, now: int | None,
     return taken
 
 
-def read_taken(cursor) -> list[tuple]:
+def read_taken(cursor: psycopg.Cursor[Any]) -> list[tuple[Any, ...]]:
     """One (user, gen, claimed_at, died, unfinished, memory, events) per user
     taken, longest waiting first; empty if no user with claimable work has a
     free lease. `died` counts the events this claim parked as dead,
     `unfinished` the events claimed again after a run that ended without a
     finish; `memory` is the user's memory document (None if it has none)."""
-    taken: dict[str, tuple] = {}
+    taken: dict[str, tuple[Any, ...]] = {}
     for row in cursor.fetchall():
         user, gen, claimed_at, died, unfinished, memory = row[:6]
         events = taken.setdefault(user, (user, gen, claimed_at, died, unfinished, memory, []))[6]
@@ -587,12 +594,14 @@ class Finish:
     traceparent: str | None = None
 
 
-def send_finish(conn, finishes: list[Finish], now: int | None, *, release: bool = False):
+def send_finish(conn: psycopg.Connection[Any], finishes: list[Finish], now: int | None, *,
+                release: bool = False) -> psycopg.Cursor[Any]:
     """Send FINISH without reading the verdicts (pipeline mode): read_verdicts."""
-    params = {"users": [], "holders": [], "gens": [], "counts": [], "errors": [], "forgets": [],
-              "keys": [], "traceparents": [], "event_runs": [], "event_users": [],
-              "event_gens": [], "event_ids": [], "message_runs": [], "bodies": [], "urgent": [],
-              "memory_runs": [], "memory_docs": [], "now": now, "release": release}
+    params: dict[str, Any] = {
+        "users": [], "holders": [], "gens": [], "counts": [], "errors": [], "forgets": [],
+        "keys": [], "traceparents": [], "event_runs": [], "event_users": [],
+        "event_gens": [], "event_ids": [], "message_runs": [], "bodies": [], "urgent": [],
+        "memory_runs": [], "memory_docs": [], "now": now, "release": release}
     for n, f in enumerate(finishes, 1):
         for key, value in (("users", f.user), ("holders", f.holder), ("gens", f.gen),
                            ("counts", len(f.ids)), ("errors", f.error),
@@ -613,11 +622,11 @@ def send_finish(conn, finishes: list[Finish], now: int | None, *, release: bool 
     return conn.execute(FINISH, params)
 
 
-def read_verdicts(cursor) -> list[bool]:
+def read_verdicts(cursor: psycopg.Cursor[Any]) -> list[bool]:
     return [ok for ok, _ in cursor.fetchall()]
 
 
-def finish(conn, finishes: list[Finish], now: int | None, *, release: bool = False) -> list[bool]:
+def finish(conn: psycopg.Connection[Any], finishes: list[Finish], now: int | None, *, release: bool = False) -> list[bool]:
     """The fenced finishes (see FINISH); accepted flags, in order."""
     return read_verdicts(send_finish(conn, finishes, now, release=release))
 

@@ -12,6 +12,7 @@ routes it to the shard of its bucket, citus.py). The parameters come from
 
 import hashlib
 from collections.abc import Iterable
+from typing import Any
 
 BUCKETS = 64
 """How many buckets users are spread over. Part of the layout (migration 0012's
@@ -32,13 +33,13 @@ def bucket(user: str) -> int:
     return int(hashlib.md5(user.encode("utf-8")).hexdigest()[:7], 16) % BUCKETS
 
 
-def user_key(user: str | None, **params) -> dict:
+def user_key(user: str | None, **params: Any) -> dict[str, Any]:
     """`params` with `user` and its `bucket`: a statement about one user (or,
     with None, an operator's view about every user: both None)."""
     return {"user": user, "bucket": None if user is None else bucket(user), **params}
 
 
-def users_key(users: Iterable[str], **params) -> dict:
+def users_key(users: Iterable[str], **params: Any) -> dict[str, Any]:
     """`params` with `users` (a list) and their `buckets`: a statement about
     several users (on Citus, users of one bucket: citus.by_bucket)."""
     users = list(users)

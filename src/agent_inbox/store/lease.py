@@ -19,6 +19,10 @@ design. A first acquire inserts the row as an expired generation-0 lease, so
 every later step is an update of a row that exists.
 """
 
+from typing import Any
+
+import psycopg
+
 from agent_inbox.records import Lease
 from agent_inbox.store.clock import NOW
 from agent_inbox.store.keys import user_key, users_key
@@ -44,7 +48,7 @@ LOCK = ("SELECT holder, gen, until FROM leases WHERE bucket = %(bucket)s AND use
         " FOR UPDATE")
 
 
-def lock(conn, user: str) -> Lease | None:
+def lock(conn: psycopg.Connection[Any], user: str) -> Lease | None:
     row = conn.execute(LOCK, user_key(user)).fetchone()
     return Lease(*row) if row else None
 
@@ -78,7 +82,7 @@ RETURNING l.gen
 """
 
 
-def acquire(conn, user: str, holder: str, ttl: int, now: int | None) -> int | None:
+def acquire(conn: psycopg.Connection[Any], user: str, holder: str, ttl: int, now: int | None) -> int | None:
     """Take or renew the lease; the generation, or None if another holds it."""
     if lock(conn, user) is None:
         conn.execute(CREATE_EXPIRED, user_key(user))
@@ -113,7 +117,7 @@ SELECT user_id, gen FROM renewed
 """
 
 
-def renew(conn, holder: str, keys: list[tuple[str, int]], ttl: int, now: int | None) -> set:
+def renew(conn: psycopg.Connection[Any], holder: str, keys: list[tuple[str, int]], ttl: int, now: int | None) -> set[tuple[str, int]]:
     """The (user, gen) of the leases extended; the others were lost."""
     params = users_key([u for u, _ in keys], holder=holder, gens=[g for _, g in keys],
                        ttl=ttl, now=now)
@@ -157,7 +161,7 @@ SELECT user_id FROM released
 """
 
 
-def release(conn, holder: str, keys: list[tuple[str, int]], now: int | None, *,
+def release(conn: psycopg.Connection[Any], holder: str, keys: list[tuple[str, int]], now: int | None, *,
             error: str | None = None, at_once: bool = True, spare: bool = False) -> list[str]:
     """The users whose leases were released (those this holder still held)."""
     params = users_key([u for u, _ in keys], holder=holder, gens=[g for _, g in keys],
@@ -172,7 +176,7 @@ SELECT l.user_id, l.gen FROM leases l WHERE l.holder = %(holder)s AND l.until >=
 """
 
 
-def held_by(conn, holder: str, now: int | None) -> list[tuple[str, int]]:
+def held_by(conn: psycopg.Connection[Any], holder: str, now: int | None) -> list[tuple[str, int]]:
     return [tuple(row) for row in conn.execute(HELD_BY, {"holder": holder, "now": now}).fetchall()]
 
 

@@ -12,6 +12,12 @@ on Citus it stays a table of the coordinator's own), and keeps no session
 state (one statement each, autocommit: it works through a transaction pooler).
 """
 
+from typing import Any
+
+import psycopg
+
+from agent_inbox.store import one
+
 # The server's clock, epoch seconds with a fraction.
 CLOCK = "extract(epoch FROM clock_timestamp())::float8"
 
@@ -49,7 +55,7 @@ RETURNING t.taken::bigint, l.tokens, l.refilled_at, l.rate, l.per_seconds, l.bur
 """
 
 
-def grant(conn, name: str, asked: int, least: int) -> tuple | None:
+def grant(conn: psycopg.Connection[Any], name: str, asked: int, least: int) -> tuple[Any, ...] | None:
     """(taken, tokens left, at, rate, per_seconds, burst), or None if there is
     no limit `name`. One statement."""
     return conn.execute(GRANT, {"name": name, "asked": asked, "least": least}).fetchone()
@@ -84,10 +90,10 @@ SELECT b.rate, b.per_seconds, b.burst, n.rate, n.per_seconds, n.burst, n.tokens
 """
 
 
-def set_limit(conn, name: str, rate: int, per: int, burst: int, actor: str) -> dict:
+def set_limit(conn: psycopg.Connection[Any], name: str, rate: int, per: int, burst: int, actor: str) -> dict[str, Any]:
     """Make or change limit `name`; {"before": {...} or None, "after": {...}}."""
-    row = conn.execute(SET, {"name": name, "rate": rate, "per": per, "burst": burst,
-                             "actor": actor}).fetchone()
+    row = one(conn.execute(SET, {"name": name, "rate": rate, "per": per, "burst": burst,
+                                 "actor": actor}))
     keys = ("rate", "per_seconds", "burst")
     before = None if row[0] is None else dict(zip(keys, row[:3]))
     return {"name": name, "before": before,
@@ -104,7 +110,7 @@ RETURNING name
 """
 
 
-def declare(conn, name: str, rate: int, per: int, burst: int, actor: str) -> bool:
+def declare(conn: psycopg.Connection[Any], name: str, rate: int, per: int, burst: int, actor: str) -> bool:
     """True if the limit was made; False if one of that name stood (unchanged)."""
     return conn.execute(DECLARE, {"name": name, "rate": rate, "per": per, "burst": burst,
                                   "actor": actor}).fetchone() is not None
@@ -121,5 +127,5 @@ SELECT l.name, l.rate, l.per_seconds, l.burst, {_AVAILABLE} AS tokens,
 LIST_FIELDS = ("name", "rate", "per_seconds", "burst", "tokens", "updated_at", "updated_by")
 
 
-def list_limits(conn) -> list[dict]:
+def list_limits(conn: psycopg.Connection[Any]) -> list[dict[str, Any]]:
     return [dict(zip(LIST_FIELDS, row)) for row in conn.execute(LIST).fetchall()]

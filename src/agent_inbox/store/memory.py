@@ -9,6 +9,10 @@ the document before it: a run reads it with its claim (TAKE_WORK), after its
 lease was taken.
 """
 
+from typing import Any
+
+import psycopg
+
 from agent_inbox.db import Queries, Query
 from agent_inbox.store.clock import NOW
 from agent_inbox.store.keys import user_key
@@ -30,7 +34,7 @@ VALUES (%(bucket)s, %(user)s, %(doc)s::jsonb, {NOW}, %(by)s, %(gen)s)
 DELETE = "DELETE FROM memory m WHERE m.bucket = %(bucket)s AND m.user_id = %(user)s RETURNING m.doc"
 
 
-def replace(conn, user: str, doc: str | None, by: str, gen: int | None, now: int | None) -> None:
+def replace(conn: psycopg.Connection[Any], user: str, doc: str | None, by: str, gen: int | None, now: int | None) -> None:
     if doc is None:
         conn.execute(DELETE, user_key(user))
     else:
@@ -43,7 +47,7 @@ SELECT m.doc, m.updated_at, m.updated_by, m.gen FROM memory m
 """
 
 
-def get(user: str) -> Queries[dict | None]:
+def get(user: str) -> Queries[dict[str, Any] | None]:
     """The user's memory row: doc, updated_at, updated_by, gen; None if none."""
     rows = yield Query(GET, user_key(user))
     return dict(zip(("doc", "updated_at", "updated_by", "gen"), rows[0])) if rows else None

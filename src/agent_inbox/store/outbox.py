@@ -30,12 +30,16 @@ again after it. So a held message is never left with no dispatcher due to look.
 """
 
 import random
+from collections.abc import Callable, Iterable
+from typing import Any
 
+import psycopg
 from psycopg.rows import class_row, dict_row
 
 from agent_inbox.records import Batch, Failure
 from agent_inbox.records import OutboxMessage
 from agent_inbox import notify
+from agent_inbox.store import one
 from agent_inbox.store.clock import NOW
 from agent_inbox.store.keys import user_key, users_key
 
@@ -123,7 +127,7 @@ SELECT c.user_id, c.batch, c.send_token, h.id, h.body, h.traceparent
 """
 
 
-def claim(conn, users: list[str], *, gap: int, send_timeout: int, now: int | None) -> list[Batch]:
+def claim(conn: psycopg.Connection[Any], users: list[str], *, gap: int, send_timeout: int, now: int | None) -> list[Batch]:
     """The batches to send now for `users`, whose delivery rows the caller's
     transaction has locked (lock_due or lock_user)."""
     params = users_key(users, gap=gap, send_timeout=send_timeout, now=now)
@@ -136,11 +140,11 @@ def claim(conn, users: list[str], *, gap: int, send_timeout: int, now: int | Non
     return list(batches.values())
 
 
-def lock_due(conn, limit: int, now: int | None) -> list[str]:
+def lock_due(conn: psycopg.Connection[Any], limit: int, now: int | None) -> list[str]:
     return [u for u, in conn.execute(LOCK_DUE, {"users": limit, "now": now}).fetchall()]
 
 
-def lock_user(conn, user: str) -> list[str]:
+def lock_user(conn: psycopg.Connection[Any], user: str) -> list[str]:
     return [u for u, in conn.execute(LOCK_USER, user_key(user)).fetchall()]
 
 
@@ -215,7 +219,7 @@ SELECT user_id, batch, parked FROM recorded
 """
 
 
-def _keys(batches: list[Batch]) -> dict:
+def _keys(batches: list[Batch]) -> dict[str, Any]:
     return users_key([b.user for b in batches], batches=[b.batch for b in batches],
                      tokens=[b.token for b in batches])
 
@@ -230,11 +234,11 @@ SELECT user_id FROM deliveries
 """
 
 
-def _lock_in_order(conn, batches: list[Batch]) -> None:
+def _lock_in_order(conn: psycopg.Connection[Any], batches: list[Batch]) -> None:
     conn.execute(LOCK_USERS, users_key(b.user for b in batches))
 
 
-def mark_sent(conn, batches: list[Batch], *, gap: int, now: int | None) -> set[tuple[str, int]]:
+def mark_sent(conn: psycopg.Connection[Any], batches: list[Batch], *, gap: int, now: int | None) -> set[tuple[str, int]]:
     """The (user, batch) marked sent; a batch missing was taken over (its claim
     ran out and another dispatcher claimed it again)."""
     _lock_in_order(conn, batches)
@@ -242,7 +246,7 @@ def mark_sent(conn, batches: list[Batch], *, gap: int, now: int | None) -> set[t
     return {tuple(row) for row in conn.execute(MARK_SENT, params).fetchall()}
 
 
-def record_failed(conn, failures: list[Failure], *, max_attempts: int, backoff_base: float,
+def record_failed(conn: psycopg.Connection[Any], failures: list[Failure], *, max_attempts: int, backoff_base: float,
                   backoff_cap: float, now: int | None) -> dict[tuple[str, int], bool]:
     """{(user, batch): parked} for the failures recorded (the others were taken over)."""
     _lock_in_order(conn, [f.batch for f in failures])
@@ -260,8 +264,9 @@ SELECT greatest(0, min(due_at) - {NOW}) FROM deliveries WHERE due_at IS NOT NULL
 """
 
 
-def seconds_to_next_due(conn, now: int | None) -> int | None:
-    return conn.execute(NEXT_DUE, {"now": now}).fetchone()[0]
+def seconds_to_next_due(conn: psycopg.Connection[Any], now: int | None) -> int | None:
+    seconds: int | None = one(conn.execute(NEXT_DUE, {"now": now}))[0]
+    return seconds
 
 
 # How new messages make a user's delivery due now: a dispatcher looks at the
@@ -288,7 +293,7 @@ SELECT DISTINCT o.bucket, o.user_id, {NOW} FROM outbox o
 """
 
 
-def adopt_held(conn, now: int | None) -> int:
+def adopt_held(conn: psycopg.Connection[Any], now: int | None) -> int:
     return conn.execute(ADOPT_HELD, {"now": now}).rowcount
 
 
@@ -319,15 +324,15 @@ UPDATE deliveries d SET due_at = d.last_sent_at + %(gap)s
 REPACE_LIMIT = 10_000
 
 
-def stale_pace_users(conn, gap: int, now: int | None) -> list[str]:
-    now = now if now is not None else conn.execute(f"SELECT {NOW}", {"now": None}).fetchone()[0]
+def stale_pace_users(conn: psycopg.Connection[Any], gap: int, now: int | None) -> list[str]:
+    now = now if now is not None else one(conn.execute(f"SELECT {NOW}", {"now": None}))[0]
     params = {"gap": gap, "now": now, "limit": REPACE_LIMIT}
     return [u for u, in conn.execute(STALE_PACE_USERS, params).fetchall()]
 
 
-def repace(conn, users: list[str], gap: int, now: int | None) -> int:
+def repace(conn: psycopg.Connection[Any], users: list[str], gap: int, now: int | None) -> int:
     """Users among `users` paced by a longer gap made due at last send + `gap`."""
-    now = now if now is not None else conn.execute(f"SELECT {NOW}", {"now": None}).fetchone()[0]
+    now = now if now is not None else one(conn.execute(f"SELECT {NOW}", {"now": None}))[0]
     return conn.execute(REPACE, users_key(users, gap=gap, now=now)).rowcount
 
 
@@ -396,8 +401,9 @@ WITH {_FAILED_BATCHES}, deleted AS (
 ), {_RECORD_REPAIR}"""
 
 
-def repair_failed(conn, batches: list[int], *, retry: bool, actor: str, now: int | None,
-                  groups) -> list[dict]:
+def repair_failed(conn: psycopg.Connection[Any], batches: list[int], *, retry: bool, actor: str, now: int | None,
+                  groups: Callable[[list[str], Callable[[str], str]], Iterable[list[str]]]
+                  ) -> list[dict[str, Any]]:
     """Retry (or discard) the failed batches among `batches`, in the caller's
     transaction, their users locked and repaired in `groups(users, user_of)`
     (Inbox._by_bucket: on Citus one statement per bucket); the batches
@@ -423,7 +429,7 @@ SELECT batch, CASE WHEN bool_and(sent_at IS NOT NULL) THEN 'sent'
 """
 
 
-def batch_states(conn, batches: list[int]) -> dict[int, str]:
+def batch_states(conn: psycopg.Connection[Any], batches: list[int]) -> dict[int, str]:
     return dict(conn.execute(BATCH_STATES, {"batches": batches}).fetchall())
 
 
@@ -440,7 +446,7 @@ SELECT o.user_id AS "user", o.batch, count(*) AS messages, min(o.failed_at) AS f
 """
 
 
-def failed_batches(conn, user: str | None, limit: int) -> tuple[list[dict], int]:
+def failed_batches(conn: psycopg.Connection[Any], user: str | None, limit: int) -> tuple[list[dict[str, Any]], int]:
     with conn.cursor(row_factory=dict_row) as cur:
         rows = cur.execute(FAILED, user_key(user, limit=limit)).fetchall()
     total = rows[0].pop("total") if rows else 0
@@ -461,6 +467,6 @@ SELECT o.id, o.body, o.created, o.sent_at, o.failed_at,
 """
 
 
-def list_messages(conn, user: str) -> list[OutboxMessage]:
+def list_messages(conn: psycopg.Connection[Any], user: str) -> list[OutboxMessage]:
     with conn.cursor(row_factory=class_row(OutboxMessage)) as cur:
         return cur.execute(LIST, user_key(user)).fetchall()

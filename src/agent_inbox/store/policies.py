@@ -19,8 +19,11 @@ its generation (a stale run is told LeaseLost, and nothing is recorded).
 
 import hashlib
 import json
+from typing import Any
 
-from agent_inbox.store import lease
+import psycopg
+
+from agent_inbox.store import lease, one
 from agent_inbox.store.clock import NOW
 from agent_inbox.store.keys import user_key
 
@@ -28,7 +31,7 @@ ANSWERS = ("allow", "deny", "ask")
 DEFAULT_ASK_EXPIRES_IN = 86400
 
 
-def digest(args) -> str:
+def digest(args: Any) -> str:
     """The arguments' digest: sha256 of their canonical JSON (sorted keys)."""
     text = json.dumps(args, sort_keys=True, separators=(",", ":"), ensure_ascii=False,
                       allow_nan=False)
@@ -81,7 +84,7 @@ VALUES (%(bucket)s, %(user)s, {NOW}, %(tool)s, %(digest)s, %(answer)s, %(rule)s,
 """
 
 
-def decide(conn, user: str, holder: str, gen: int, tool: str, args_digest: str,
+def decide(conn: psycopg.Connection[Any], user: str, holder: str, gen: int, tool: str, args_digest: str,
            now: int | None) -> tuple[str, str, int] | None:
     """(answer, rule, ask_expires_in) for the call, recorded, in the caller's
     transaction (callers decide several users' calls in user order, as leases
@@ -92,7 +95,7 @@ def decide(conn, user: str, holder: str, gen: int, tool: str, args_digest: str,
                       request_id=request_id(tool, args_digest), now=now)
     if conn.execute(HOLD, params).fetchone() is None:
         return None
-    rule, answer, expires_in, approval = conn.execute(DECIDE, params).fetchone()
+    rule, answer, expires_in, approval = one(conn.execute(DECIDE, params))
     if answer == "ask" and approval is not None:
         answer, rule = ("allow" if approval == "yes" else "deny"), f"{rule} answered {approval}"
     conn.execute(RECORD, {**params, "answer": answer, "rule": rule})
@@ -153,13 +156,13 @@ VALUES (%(bucket)s, %(user)s, {NOW}, %(actor)s, %(action)s, %(detail)s::jsonb)
 POLICY_COLUMNS = ("tool", "answer", "ask_expires_in", "updated_at", "updated_by")
 
 
-def rules(conn, user: str | None) -> list[dict]:
+def rules(conn: psycopg.Connection[Any], user: str | None) -> list[dict[str, Any]]:
     """A user's rules (None: the defaults), by tool."""
     statement, params = (LIST_DEFAULT, {}) if user is None else (LIST_USER, user_key(user))
     return [dict(zip(POLICY_COLUMNS, row)) for row in conn.execute(statement, params).fetchall()]
 
 
-def change(conn, user: str | None, tool: str, answer: str | None, ask_expires_in: int,
+def change(conn: psycopg.Connection[Any], user: str | None, tool: str, answer: str | None, ask_expires_in: int,
            actor: str, now: int | None) -> bool:
     """Set (answer given) or clear (None) a rule, audited; False if a rule to
     clear did not exist."""
@@ -180,7 +183,7 @@ def change(conn, user: str | None, tool: str, answer: str | None, ask_expires_in
     return True
 
 
-def decisions(conn, user: str, limit: int) -> list[dict]:
+def decisions(conn: psycopg.Connection[Any], user: str, limit: int) -> list[dict[str, Any]]:
     keys = ("at", "tool", "args_digest", "answer", "rule", "holder", "gen")
     return [dict(zip(keys, row))
             for row in conn.execute(DECISIONS, user_key(user, limit=limit)).fetchall()]

@@ -7,6 +7,10 @@ are kept unless asked for: they are what alerting reads. Work goes user by user
 (every statement names its users), a chunk of users per transaction.
 """
 
+from typing import Any
+
+import psycopg
+
 from agent_inbox.store.clock import NOW
 from agent_inbox.store.keys import users_key
 
@@ -51,11 +55,11 @@ DELETE FROM steps s USING clock
 """
 
 
-def users_after(conn, after: str, limit: int) -> list[str]:
+def users_after(conn: psycopg.Connection[Any], after: str, limit: int) -> list[str]:
     return [r[0] for r in conn.execute(USERS_AFTER, {"after": after, "limit": limit}).fetchall()]
 
 
-def prune_users(conn, users: list[str], *, older_than: int, window: int, statuses: list[str],
+def prune_users(conn: psycopg.Connection[Any], users: list[str], *, older_than: int, window: int, statuses: list[str],
                 now: int | None) -> tuple[int, int]:
     """(deleted, compacted) for these users (on Citus, of one bucket), in the
     caller's transaction."""

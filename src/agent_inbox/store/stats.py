@@ -8,6 +8,10 @@ this write loses that commit's counts (the chart is a view of the fleet's
 activity, not an account of it; the events table remains the record).
 """
 
+from typing import Any
+
+import psycopg
+
 from agent_inbox.store.clock import NOW
 
 FIELDS = ("finished", "refused", "takeovers", "died")
@@ -23,7 +27,7 @@ VALUES ({NOW} / 60 * 60, %(process)s, %(finished)s, %(refused)s, %(takeovers)s, 
 """
 
 
-def record(conn, process: str, counts: dict[str, int], now: int | None = None) -> None:
+def record(conn: psycopg.Connection[Any], process: str, counts: dict[str, int], now: int | None = None) -> None:
     """Add `counts` (any of FIELDS) to this process's row for the current minute."""
     conn.execute(RECORD, {"process": process, "now": now,
                           **{name: counts.get(name, 0) for name in FIELDS}})
@@ -51,7 +55,7 @@ SELECT s.minute,
 """
 
 
-def last_minutes(conn, minutes: int = 60, now: int | None = None) -> list[dict]:
+def last_minutes(conn: psycopg.Connection[Any], minutes: int = 60, now: int | None = None) -> list[dict[str, Any]]:
     """[{"minute", "finished", "refused", "takeovers", "died"}], oldest first."""
     rows = conn.execute(LAST_MINUTES, {"minutes": minutes, "now": now}).fetchall()
     return [dict(zip(("minute", *FIELDS), row)) for row in rows]

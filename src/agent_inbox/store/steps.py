@@ -22,13 +22,18 @@ one node's transaction each).
 """
 
 
+from collections.abc import Iterable
+from typing import Any
+
+import psycopg
+
 from agent_inbox.records import RecordedStep, StepRecord
 from agent_inbox.store import lease
 from agent_inbox.store.clock import NOW
 from agent_inbox.store.keys import user_key, users_key
 
 
-def events_key(event_ids) -> str:
+def events_key(event_ids: Iterable[int]) -> str:
     """An event set as the statements below take it: ascending ids, comma-joined."""
     return ",".join(str(i) for i in sorted(event_ids))
 
@@ -67,7 +72,7 @@ RETURNING user_id, gen, position
 """
 
 
-def record(conn, records: list[StepRecord], now: int | None) -> set[tuple[str, int, int]]:
+def record(conn: psycopg.Connection[Any], records: list[StepRecord], now: int | None) -> set[tuple[str, int, int]]:
     """The (user, gen, position) of the records stored; the others were refused."""
     params = {"users": [], "holders": [], "gens": [], "events": [], "positions": [],
               "names": [], "occurrences": [], "results": [], "now": now,
@@ -92,7 +97,7 @@ SELECT k.n, s.position, s.name, s.occurrence, s.result
 """
 
 
-def recorded(conn, runs: list[tuple[str, tuple[int, ...]]]) -> list[list[RecordedStep]]:
+def recorded(conn: psycopg.Connection[Any], runs: list[tuple[str, tuple[int, ...]]]) -> list[list[RecordedStep]]:
     """For each (user, event ids), the steps recorded for exactly those events."""
     answers: list[list[RecordedStep]] = [[] for _ in runs]
     params = users_key([user for user, _ in runs], events=[events_key(ids) for _, ids in runs])
@@ -119,7 +124,7 @@ SELECT s.position, s.name, s.occurrence, s.result, s.event_ids, s.holder, s.gen,
 """
 
 
-def list_steps(conn, user: str, limit: int = 1000) -> list[RecordedStep]:
+def list_steps(conn: psycopg.Connection[Any], user: str, limit: int = 1000) -> list[RecordedStep]:
     return [RecordedStep(position, name, occurrence, result, tuple(ids), holder, gen, at)
             for position, name, occurrence, result, ids, holder, gen, at
             in conn.execute(LIST, user_key(user, limit=limit)).fetchall()]

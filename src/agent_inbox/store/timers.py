@@ -18,14 +18,14 @@ timer is replaced (UPSERT re-arms it and clears both).
 
 import json
 from collections import deque
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import psycopg
 
 from agent_inbox import cron, db, errors
 from agent_inbox.records import Timer
 from agent_inbox import notify
-from agent_inbox.store import inbox
+from agent_inbox.store import inbox, one
 from agent_inbox.store.clock import DB_CLOCK, NOW
 from agent_inbox.store.keys import user_key
 
@@ -50,7 +50,7 @@ RETURNING due
 TIMER_CHANGED = f"SELECT pg_notify('{notify.TIMERS}', '')"
 
 
-def upsert(conn, user: str, timer_id: str, *, base: int | None, delay: int, every: int | None,
+def upsert(conn: psycopg.Connection[Any], user: str, timer_id: str, *, base: int | None, delay: int, every: int | None,
            payload_json: str, key: tuple[str, str] | None, cron: str | None = None,
            timezone: str | None = None, missed: str = "coalesce", catch_up_limit: int = 100) -> int:
     """Create or replace a timer; returns its due time."""
@@ -59,7 +59,7 @@ def upsert(conn, user: str, timer_id: str, *, base: int | None, delay: int, ever
         user, timer_id=timer_id, base=base, delay=delay, every=every, cron=cron,
         timezone=timezone, missed=missed, catch_up_limit=catch_up_limit, payload=payload_json,
         event_source=source, event_source_id=source_id)
-    due = conn.execute(UPSERT, params).fetchone()[0]
+    due: int = one(conn.execute(UPSERT, params))[0]
     conn.execute(TIMER_CHANGED)
     return due
 
@@ -160,20 +160,20 @@ UPDATE timers SET done = true, parked_at = clock.now, error = %(error)s
 """
 
 
-def park(conn, now: int | None, user: str, timer_id: str, exc: Exception) -> tuple[str, str, str]:
+def park(conn: psycopg.Connection[Any], now: int | None, user: str, timer_id: str, exc: Exception) -> tuple[str, str, str]:
     """Park a timer the caller holds locked, with what `exc` says."""
     error = f"{type(exc).__name__}: {exc}"
     conn.execute(PARK, user_key(user, now=now, timer_id=timer_id, error=error))
     return user, timer_id, error
 
 
-def fire_due(conn, now: int | None, limit: int) -> tuple[int, int]:
+def fire_due(conn: psycopg.Connection[Any], now: int | None, limit: int) -> tuple[int, int]:
     """(timers fired, occurrences skipped) by one FIRE_DUE; raises if any row fails."""
-    fired, skipped = conn.execute(FIRE_DUE, {"now": now, "limit": limit}).fetchone()
+    fired, skipped = one(conn.execute(FIRE_DUE, {"now": now, "limit": limit}))
     return fired, int(skipped)
 
 
-def fire_due_batch(conn, now: int | None, limit: int) -> Batch:
+def fire_due_batch(conn: psycopg.Connection[Any], now: int | None, limit: int) -> Batch:
     """One batch of due one-off and `every` timers, in the caller's transaction:
     fire_due, or if a row's data makes it fail, the batch one timer at a time
     under savepoints, parking the timers that fail."""
@@ -188,7 +188,7 @@ def fire_due_batch(conn, now: int | None, limit: int) -> Batch:
         params = user_key(user, now=now, timer_id=timer_id)
         try:
             with conn.transaction():
-                one_fired, one_skipped = conn.execute(FIRE_ONE, params).fetchone()
+                one_fired, one_skipped = one(conn.execute(FIRE_ONE, params))
         except ROW_ERRORS as exc:
             parked.append(park(conn, now, user, timer_id, exc))
         else:
@@ -233,8 +233,8 @@ def _occurrences(schedule: cron.Schedule, first: int, until: int, keep: int) -> 
     return list(kept), total
 
 
-def fire_cron(conn, user, timer_id, due, expression, zone, missed, cap, payload,
-              now_db) -> int:
+def fire_cron(conn: psycopg.Connection[Any], user: str, timer_id: str, due: int, expression: str,
+              zone: str, missed: str, cap: int, payload: Any, now_db: int) -> int:
     """Fire one locked cron timer and advance it; the occurrences skipped."""
     if not isinstance(payload, dict):
         raise errors.InvalidTimer("payload", payload, "must be a JSON object")
@@ -253,8 +253,9 @@ def fire_cron(conn, user, timer_id, due, expression, zone, missed, cap, payload,
     return total - len(emitted)
 
 
-def fire_every(conn, user, timer_id, due, every, missed, cap, payload, event_source,
-               event_source_id, now_db) -> int:
+def fire_every(conn: psycopg.Connection[Any], user: str, timer_id: str, due: int, every: int | None,
+               missed: str, cap: int, payload: dict[str, Any], event_source: str | None,
+               event_source_id: str | None, now_db: int) -> int:
     """Fire one locked one-off or `every` timer and advance it, by FIRE_DUE's
     rules for one row (the occurrences, their keys and payloads, the next due
     time), with Python doing the arithmetic; the occurrences skipped. For Citus,
@@ -276,7 +277,7 @@ def fire_every(conn, user, timer_id, due, every, missed, cap, payload, event_sou
     return skipped if missed == "coalesce" else max(0, skipped + 1 - cap)
 
 
-def fire_each(conn, now: int | None, ripe: list[tuple]) -> Batch:
+def fire_each(conn: psycopg.Connection[Any], now: int | None, ripe: list[tuple[Any, ...]]) -> Batch:
     """Fire locked due timers (rows of RIPE_COLUMNS) one by one, in the caller's
     transaction, each under a savepoint: one that raises because of its row (a
     time zone or cron this host cannot evaluate, a payload that is not an
@@ -300,7 +301,7 @@ def fire_each(conn, now: int | None, ripe: list[tuple]) -> Batch:
     return Batch(len(ripe) - len(parked), skipped, parked)
 
 
-def fire_due_cron(conn, now: int | None, limit: int) -> Batch:
+def fire_due_cron(conn: psycopg.Connection[Any], now: int | None, limit: int) -> Batch:
     """One batch of due cron timers, in the caller's transaction (fire_each)."""
     return fire_each(conn, now, conn.execute(RIPE_CRON, {"now": now, "limit": limit}).fetchall())
 
@@ -315,10 +316,10 @@ SELECT EXISTS (SELECT 1 FROM timers t WHERE NOT t.done AND t.due <= %(at)s),
 """
 
 
-def next_due(conn, now: int | None) -> tuple[bool, int | None]:
+def next_due(conn: psycopg.Connection[Any], now: int | None) -> tuple[bool, int | None]:
     """(a due timer is left, seconds until the next later one: None if none)."""
-    at = now if now is not None else conn.execute(f"SELECT {DB_CLOCK}").fetchone()[0]
-    left, later = conn.execute(NEXT_DUE, {"at": at}).fetchone()
+    at = now if now is not None else one(conn.execute(f"SELECT {DB_CLOCK}"))[0]
+    left, later = one(conn.execute(NEXT_DUE, {"at": at}))
     return left, None if later is None else later - at
 
 
@@ -331,7 +332,7 @@ SELECT timer_id, due, every, payload,
 """
 
 
-def list_timers(conn, user: str) -> list[Timer]:
+def list_timers(conn: psycopg.Connection[Any], user: str) -> list[Timer]:
     rows = conn.execute(LIST, {"user": user}).fetchall()
     return [Timer(t, due, every, payload, tuple(key) if key else None, *rest)
             for t, due, every, payload, key, *rest in rows]

@@ -12,9 +12,13 @@ Where the CLI's views already answer (store/admin.py, store/outbox.py), the
 console calls them; what is here are the views the CLI has no twin for.
 """
 
+from typing import Any
+
+import psycopg
 from psycopg.rows import dict_row
 
 from agent_inbox.db import Queries, Query
+from agent_inbox.store import one
 from agent_inbox.store.clock import NOW
 from agent_inbox.store.keys import user_key
 
@@ -47,9 +51,9 @@ SELECT clock.now, o.pending, o.running, d.dead, u.outbox_held, u.outbox_failed,
 """
 
 
-def overview(conn, now: int | None = None) -> dict:
+def overview(conn: psycopg.Connection[Any], now: int | None = None) -> dict[str, Any]:
     with conn.cursor(row_factory=dict_row) as cur:
-        return cur.execute(OVERVIEW, {"now": now}).fetchone()
+        return one(cur.execute(OVERVIEW, {"now": now}))
 
 
 # Spans users (keyset page): users from the leases table (every user with an
@@ -87,12 +91,12 @@ SELECT m.user_id, count(*) FROM outbox m
 """
 
 
-def users(conn, prefix: str, after: str, limit: int = PAGE,
-          now: int | None = None) -> tuple[list[dict], int]:
+def users(conn: psycopg.Connection[Any], prefix: str, after: str, limit: int = PAGE,
+          now: int | None = None) -> tuple[list[dict[str, Any]], int]:
     """(a page of users after `after`, the clock)."""
     with conn.cursor(row_factory=dict_row) as cur:
         rows = cur.execute(USERS, {"prefix": prefix, "after": after, "limit": limit}).fetchall()
-        clock = cur.execute(f"SELECT {NOW} AS now", {"now": now}).fetchone()["now"]
+        clock = one(cur.execute(f"SELECT {NOW} AS now", {"now": now}))["now"]
     page = {"page": [row["user"] for row in rows]}
     open_counts = {u: (p, r) for u, p, r in conn.execute(PAGE_OPEN, page).fetchall()}
     dead = dict(conn.execute(PAGE_DEAD, page).fetchall())
@@ -113,7 +117,7 @@ SELECT nullif(holder, '') AS holder, gen, until,
 """
 
 
-def lease(conn, user: str, now: int | None = None) -> dict | None:
+def lease(conn: psycopg.Connection[Any], user: str, now: int | None = None) -> dict[str, Any] | None:
     with conn.cursor(row_factory=dict_row) as cur:
         return cur.execute(LEASE, user_key(user, now=now)).fetchone()
 
@@ -130,7 +134,7 @@ SELECT id, source, source_id, kind, status, attempts, error, claim_gen, created_
 """
 
 
-def timeline(conn, user: str, before: int, limit: int = PAGE) -> list[dict]:
+def timeline(conn: psycopg.Connection[Any], user: str, before: int, limit: int = PAGE) -> list[dict[str, Any]]:
     with conn.cursor(row_factory=dict_row) as cur:
         return cur.execute(TIMELINE, user_key(user, before=before, limit=limit)).fetchall()
 
@@ -152,7 +156,7 @@ SELECT claim_gen AS gen, min(claimed_at) AS claimed_at, count(*) AS events,
 """
 
 
-def runs(conn, user: str, limit: int = PAGE) -> list[dict]:
+def runs(conn: psycopg.Connection[Any], user: str, limit: int = PAGE) -> list[dict[str, Any]]:
     with conn.cursor(row_factory=dict_row) as cur:
         return cur.execute(RUNS, user_key(user, limit=limit)).fetchall()
 
@@ -167,7 +171,7 @@ SELECT id, body, created, sent_at, failed_at, error, batch, urgent
 """
 
 
-def messages(conn, user: str, limit: int = PAGE) -> list[dict]:
+def messages(conn: psycopg.Connection[Any], user: str, limit: int = PAGE) -> list[dict[str, Any]]:
     with conn.cursor(row_factory=dict_row) as cur:
         return cur.execute(MESSAGES, user_key(user, limit=limit)).fetchall()
 
@@ -199,12 +203,12 @@ USER_APPROVALS = _APPROVAL_COLUMNS + """
 """
 
 
-def unanswered(conn, limit: int = PAGE * 2, now: int | None = None) -> list[dict]:
+def unanswered(conn: psycopg.Connection[Any], limit: int = PAGE * 2, now: int | None = None) -> list[dict[str, Any]]:
     with conn.cursor(row_factory=dict_row) as cur:
         return cur.execute(UNANSWERED, {"limit": limit, "now": now}).fetchall()
 
 
-def user_approvals(user: str, limit: int = PAGE, now: int | None = None) -> Queries[list[dict]]:
+def user_approvals(user: str, limit: int = PAGE, now: int | None = None) -> Queries[list[dict[str, Any]]]:
     """One user's approval requests, latest deadline first, each with the
     answer that stands (None: none yet)."""
     return (yield Query(USER_APPROVALS, user_key(user, limit=limit, now=now), dict_row))
@@ -223,7 +227,7 @@ SELECT e.user_id AS "user", e.id, e.source, e.source_id, e.attempts, e.error
 """
 
 
-def dead_named(conn, pairs: list[tuple[str, int]]) -> list[dict]:
+def dead_named(conn: psycopg.Connection[Any], pairs: list[tuple[str, int]]) -> list[dict[str, Any]]:
     with conn.cursor(row_factory=dict_row) as cur:
         return cur.execute(DEAD_NAMED, {"owners": [u for u, _ in pairs],
                                         "ids": [i for _, i in pairs]}).fetchall()

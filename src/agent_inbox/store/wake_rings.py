@@ -63,6 +63,7 @@ from typing import Any
 import psycopg.errors
 
 from agent_inbox import errors
+from agent_inbox.store import one
 
 # The rings the run path reads (SQL, two initplans: pruned at run time).
 LIVE = "(SELECT ring FROM wakes_ring), (SELECT last_value::smallint FROM wakes_insert_ring)"
@@ -122,7 +123,7 @@ def damaged(conn: psycopg.Connection[Any]) -> str | None:
     """What is wrong with the `wakes_ring` pointer row, None if nothing: with
     it missing the takes find no live ring and take nothing, silently (a
     TRUNCATE of every table empties it)."""
-    rows, ring, attached = conn.execute(POINTER).fetchone()
+    rows, ring, attached = one(conn.execute(POINTER))
     if rows == 0:
         return f"the table wakes_ring is empty (it must hold one row): {REPAIR_HINT}"
     if not attached:
@@ -146,8 +147,8 @@ def repair(conn: psycopg.Connection[Any]) -> int | None:
     if damaged(conn) is None:
         return None
     conn.execute("LOCK TABLE wakes IN EXCLUSIVE MODE")
-    [target] = conn.execute("SELECT last_value::smallint FROM wakes_insert_ring").fetchone()
-    if conn.execute("SELECT to_regclass(%s) IS NULL", (f"wakes_{target}",)).fetchone()[0]:
+    [target] = one(conn.execute("SELECT last_value::smallint FROM wakes_insert_ring"))
+    if one(conn.execute("SELECT to_regclass(%s) IS NULL", (f"wakes_{target}",)))[0]:
         conn.execute(f"CREATE TABLE wakes_{target} (LIKE wakes INCLUDING DEFAULTS)")
         conn.execute(f"ALTER TABLE wakes ATTACH PARTITION wakes_{target}"
                      f" FOR VALUES IN ({target})")
@@ -155,7 +156,6 @@ def repair(conn: psycopg.Connection[Any]) -> int | None:
     conn.execute("INSERT INTO wakes_ring (ring) VALUES (%s)", (target,))
     rings = [ring for ring, in conn.execute("SELECT DISTINCT ring FROM wakes").fetchall()]
     return conn.execute(MOVE, {"from": rings, "to": target}).rowcount if rings else 0
-
 
 MOVE = """
 WITH moved AS (
@@ -167,12 +167,12 @@ SELECT bucket, user_id, id, at, from_id, %(to)s FROM moved
 """
 
 
-def partitions(conn) -> dict[int, bool]:
+def partitions(conn: psycopg.Connection[Any]) -> dict[int, bool]:
     """Every ring's partition: whether it is clean (no pages)."""
     return dict(conn.execute(PARTITIONS).fetchall())
 
 
-def live(conn) -> list[int]:
+def live(conn: psycopg.Connection[Any]) -> list[int]:
     """The live rings, as this statement sees them."""
     return sorted(ring for ring, in conn.execute(LIVE_RINGS).fetchall())
 
@@ -181,27 +181,27 @@ class Given:
     """The live rings one process's takes name (GIVEN): read when first
     needed, and again when a take took nothing (`read_again`)."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self._rings: list[int] | None = None
 
-    def params(self, conn) -> dict:
+    def params(self, conn: psycopg.Connection[Any]) -> dict[str, Any]:
         rings = self._rings
         if rings is None:
             rings = self._rings = checked_live(conn)
         return {"ring_a": rings[0], "ring_b": rings[-1]}
 
-    def read_again(self, conn) -> bool:
+    def read_again(self, conn: psycopg.Connection[Any]) -> bool:
         """Read the live rings again: whether they changed."""
         before, self._rings = self._rings, checked_live(conn)
         return self._rings != before
 
 
-def relations(conn) -> list[str]:
+def relations(conn: psycopg.Connection[Any]) -> list[str]:
     """The partitions of the live rings: whose dead tuples call for a rotation."""
     return [f"wakes_{ring}" for ring in live(conn)]
 
 
-def rotate(conn) -> int:
+def rotate(conn: psycopg.Connection[Any]) -> int:
     """Move the live wakes to a clean ring (steps 1-5 above), in the caller's
     transaction, which holds the compactors' advisory lock and set
     `lock_timeout`; the number of wakes moved. LockNotAvailable goes up."""
@@ -219,7 +219,7 @@ def rotate(conn) -> int:
     return moved
 
 
-def analyze(conn) -> None:
+def analyze(conn: psycopg.Connection[Any]) -> None:
     """ANALYZE `wakes`, every partition (after a rotation, in its own
     transaction: ANALYZE holds SHARE UPDATE EXCLUSIVE, which no statement of
     the run path conflicts with). The ring the wakes moved to gets its rows'
@@ -227,7 +227,7 @@ def analyze(conn) -> None:
     conn.execute("ANALYZE wakes")
 
 
-def retire(conn, budget_s: float = RETIRE_BUDGET_S, held_long_s: float = HELD_LONG_S) -> None:
+def retire(conn: psycopg.Connection[Any], budget_s: float = RETIRE_BUDGET_S, held_long_s: float = HELD_LONG_S) -> None:
     """Truncate the dirty partitions that are not live and drop the clean
     ones beyond SPARE, each in a savepoint of the caller's transaction (which
     holds the compactors' advisory lock and set `lock_timeout`), its lock
@@ -245,7 +245,7 @@ def retire(conn, budget_s: float = RETIRE_BUDGET_S, held_long_s: float = HELD_LO
         _try(conn, "wakes", f"DROP TABLE wakes_{ring}", deadline, held_long_s)
 
 
-def _try(conn, table: str, statement: str, deadline: float, held_long_s: float) -> bool:
+def _try(conn: psycopg.Connection[Any], table: str, statement: str, deadline: float, held_long_s: float) -> bool:
     """Run `statement` in a savepoint once `table`'s ACCESS EXCLUSIVE lock is
     had: asked for without waiting until `deadline` (at least once), then
     waited for (`lock_timeout`) unless a holder has held it `held_long_s`;
@@ -256,12 +256,12 @@ def _try(conn, table: str, statement: str, deadline: float, held_long_s: float) 
         if time.monotonic() >= deadline:
             break
         time.sleep(RETIRE_PAUSE_S)
-    if conn.execute(HELD_LONG, {"table": table, "long": held_long_s}).fetchone()[0]:
+    if one(conn.execute(HELD_LONG, {"table": table, "long": held_long_s}))[0]:
         return False
     return _locked(conn, table, "", statement)
 
 
-def _locked(conn, table: str, nowait: str, statement: str) -> bool:
+def _locked(conn: psycopg.Connection[Any], table: str, nowait: str, statement: str) -> bool:
     try:
         with conn.transaction():
             conn.execute(f"LOCK TABLE {table} IN ACCESS EXCLUSIVE MODE {nowait}")

@@ -69,6 +69,7 @@ asked for (store/timers.py).
 
 import contextlib
 import re
+from typing import Any
 
 import psycopg
 
@@ -76,7 +77,7 @@ from agent_inbox import errors
 from agent_inbox.backend.citus import statements as bucketed
 from agent_inbox.records import ClaimPolicy, Event
 from agent_inbox import notify
-from agent_inbox.store import lease, memory, steps
+from agent_inbox.store import lease, memory, one, steps
 from agent_inbox.store.clock import DB_CLOCK, NOW
 from agent_inbox.store.inbox import (CLAIM_PLAN, CLAIM_RANKS, EVENT_COLUMNS, OPEN, Finish, claim_set,
                                     open_to_claim)
@@ -384,7 +385,7 @@ FINISH, TAKE = _PARAM.sub(lambda m: f"p_{m[1]}", FINISH), _PARAM.sub(lambda m: f
 FUNCTIONS = ((FINISH, FINISH_SIGNATURE), (TAKE, TAKE_SIGNATURE))
 
 
-def _differs(conn, definition: str, signature: str) -> bool:
+def _differs(conn: psycopg.Connection[Any], definition: str, signature: str) -> bool:
     """Whether the function `signature` is missing, or its body or settings
     are not those of `definition` and SETTINGS."""
     found = conn.execute("SELECT prosrc, proconfig FROM pg_proc"
@@ -392,14 +393,14 @@ def _differs(conn, definition: str, signature: str) -> bool:
     return found is None or found[0] != definition.split("$fn$")[1] or found[1] != SETTINGS
 
 
-def current(conn) -> bool:
+def current(conn: psycopg.Connection[Any]) -> bool:
     """Whether every function is this code's own, body and settings (one from
     an older `migrate --citus` runs, but perhaps as the older code did: those
     before plan_cache_mode kept every node session's memory growing)."""
     return not any(_differs(conn, definition, signature) for definition, signature in FUNCTIONS)
 
 
-def install(conn) -> bool:
+def install(conn: psycopg.Connection[Any]) -> bool:
     """Create (or replace) the functions whose body differs from this code's on
     a laid-out coordinator database, and distribute them by their bucket,
     co-located with leases, delegated even inside a transaction block; whether
@@ -416,25 +417,25 @@ def install(conn) -> bool:
     return changed
 
 
-def installed(conn) -> bool:
+def installed(conn: psycopg.Connection[Any]) -> bool:
     """Whether the functions this code calls are there (a database laid out by
     an older `migrate --citus` lacks them)."""
-    return all(conn.execute("SELECT to_regprocedure(%s) IS NOT NULL", (signature,)).fetchone()[0]
+    return all(one(conn.execute("SELECT to_regprocedure(%s) IS NOT NULL", (signature,)))[0]
                for _, signature in FUNCTIONS)
 
 
 TAKE_CALL = "SELECT * FROM agent_inbox_take(%s, %s, %s, %s, %s, %s, %s, %s, %s)"
 
 
-def take(conn, bucket: int, holder: str, ttl: int, policy: ClaimPolicy, now: int | None,
-         users: int) -> list[tuple]:
+def take(conn: psycopg.Connection[Any], bucket: int, holder: str, ttl: int, policy: ClaimPolicy, now: int | None,
+         users: int) -> list[tuple[Any, ...]]:
     """TAKE_WORK in one bucket, in one call on its node: read_taken's rows (user,
     gen, claimed_at, died, unfinished, memory, events), longest waiting first."""
     p = policy.params()
     rows = conn.execute(TAKE_CALL, (bucket, holder, ttl, users, now, p["max_attempts"],
                                     p["backoff_base"], p["backoff_cap"],
                                     p["max_batch"])).fetchall()
-    runs: dict[str, list] = {}
+    runs: dict[str, list[Any]] = {}
     order: list[str] = []
     for user, gen, claimed_at, died, unfinished, doc, *event in rows:
         run = runs.setdefault(user, [user, gen, claimed_at, 0, 0, None, []])
@@ -457,7 +458,7 @@ class RefusedInTransaction(Exception):
     and takes the finish as refused (nothing of it was written)."""
 
 
-def finish(conn, f: Finish, now: int | None, *, release: bool) -> bool:
+def finish(conn: psycopg.Connection[Any], f: Finish, now: int | None, *, release: bool) -> bool:
     """A run's fenced finish: one call on the run's node, and, if it queues
     messages, them and the NOTIFY from the coordinator in the same
     transaction (the caller's, or one of its own). False (nothing written) if
@@ -465,13 +466,14 @@ def finish(conn, f: Finish, now: int | None, *, release: bool) -> bool:
     the call raises RefusedInTransaction instead."""
     queued = f.error is None and bool(f.messages)
     in_caller = conn.info.transaction_status != psycopg.pq.TransactionStatus.IDLE
+    ok: bool
     try:
         with contextlib.nullcontext() if in_caller or not queued else conn.transaction():
-            [ok] = conn.execute(FINISH_CALL, (
+            [ok] = one(conn.execute(FINISH_CALL, (
                 bucket_of(f.user), f.user, f.holder, f.gen, list(f.ids), f.error,
                 f.forget_steps, f.memory is not None,
                 f.memory[0] if f.memory is not None else None, queued, release,
-                now)).fetchone()
+                now)))
             if ok and queued:
                 params = user_key(f.user, now=now, traceparent=f.traceparent)
                 for body, urgent in f.messages:

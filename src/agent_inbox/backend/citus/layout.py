@@ -34,11 +34,13 @@ fails on one that is not a single-task router plan.
 """
 
 import logging
+from typing import Any
 
 import psycopg
 
 from agent_inbox import db, errors
 from agent_inbox.backend.citus import functions
+from agent_inbox.store import one
 from agent_inbox.store.keys import BUCKET_FUNCTION
 
 log = logging.getLogger("agent_inbox.citus")
@@ -87,12 +89,13 @@ def distributed() -> db.Queries[bool]:
         " AND to_regclass('events') IS NOT NULL")
     if not has_events:
         return False
+    is_it: bool
     [(is_it,)] = yield db.Query(
         "SELECT EXISTS (SELECT 1 FROM pg_dist_partition WHERE logicalrelid = 'events'::regclass)")
     return is_it
 
 
-def is_distributed(conn: psycopg.Connection) -> bool:
+def is_distributed(conn: psycopg.Connection[Any]) -> bool:
     """`distributed()` asked on `conn`."""
     return db.run(conn, distributed())
 
@@ -110,16 +113,16 @@ def require_coordinator(url: str) -> None:
         _require_coordinator(conn)
 
 
-def _require_coordinator(conn: psycopg.Connection) -> None:
-    has_extension = conn.execute(
-        "SELECT EXISTS (SELECT 1 FROM pg_extension WHERE extname = 'citus')").fetchone()[0]
+def _require_coordinator(conn: psycopg.Connection[Any]) -> None:
+    has_extension = one(conn.execute(
+        "SELECT EXISTS (SELECT 1 FROM pg_extension WHERE extname = 'citus')"))[0]
     if not has_extension:
         raise errors.InvalidInput(
             "--citus", True, "needs a Citus coordinator: this database has no citus extension "
             "(CREATE EXTENSION citus, and add the worker nodes with citus_add_node)")
-    workers = conn.execute(
+    workers = one(conn.execute(
         "SELECT count(*) FROM pg_dist_node WHERE noderole = 'primary' AND groupid <> 0"
-    ).fetchone()[0]
+    ))[0]
     if workers == 0:
         raise errors.InvalidInput(
             "--citus", True, "the coordinator has no worker nodes: add them with "
@@ -197,26 +200,26 @@ ONE_WAKES_TABLE = (
 )
 
 
-def _one_wakes_table(conn: psycopg.Connection) -> None:
+def _one_wakes_table(conn: psycopg.Connection[Any]) -> None:
     """Lay a partitioned `wakes` (migration 0011) out as ONE_WAKES_TABLE."""
-    partitioned = conn.execute(
+    partitioned = one(conn.execute(
         "SELECT EXISTS (SELECT 1 FROM pg_partitioned_table WHERE partrelid = 'wakes'::regclass)"
-    ).fetchone()[0]
+    ))[0]
     if partitioned:
         for statement in ONE_WAKES_TABLE:
             conn.execute(statement)
 
 
-def _add_buckets(conn: psycopg.Connection, tables) -> None:
+def _add_buckets(conn: psycopg.Connection[Any], tables: list[str]) -> None:
     """Give `tables` their keys rebuilt with `bucket` first, and no
     `fill_bucket` trigger (Citus refuses triggers on a distributed table: on
     Citus every insert names the bucket itself). Migration 0012 added the
     column; a table a later migration made on a database laid out before it
     (0012 leaves such a database alone) gets it here, filled."""
     for table in tables:
-        has_bucket = conn.execute(
+        has_bucket = one(conn.execute(
             "SELECT EXISTS (SELECT 1 FROM pg_attribute WHERE attrelid = to_regclass(%s)"
-            " AND attname = 'bucket' AND NOT attisdropped)", (table,)).fetchone()[0]
+            " AND attname = 'bucket' AND NOT attisdropped)", (table,)))[0]
         if not has_bucket:
             conn.execute(f"ALTER TABLE {table} ADD COLUMN bucket int")
             conn.execute(f"UPDATE {table} SET bucket = agent_inbox_bucket(user_id)")
@@ -228,20 +231,22 @@ def _add_buckets(conn: psycopg.Connection, tables) -> None:
             conn.execute(f"ALTER TABLE {table} ADD CONSTRAINT {name} {definition}")
 
 
-def _colocate(conn: psycopg.Connection, table: str) -> None:
+def _colocate(conn: psycopg.Connection[Any], table: str) -> None:
     conn.execute("SELECT create_distributed_table(%s, 'bucket', colocate_with => 'leases')",
                  (table,))
 
 
-def _exists(conn: psycopg.Connection, table: str) -> bool:
+def _exists(conn: psycopg.Connection[Any], table: str) -> bool:
     """Whether the migrations so far made `table` (a database laid out at an
     older revision lacks the later tables: they are laid out when they come)."""
-    return conn.execute("SELECT to_regclass(%s) IS NOT NULL", (table,)).fetchone()[0]
+    exists: bool = one(conn.execute("SELECT to_regclass(%s) IS NOT NULL", (table,)))[0]
+    return exists
 
 
-def _is_distributed_table(conn: psycopg.Connection, table: str) -> bool:
-    return conn.execute("SELECT EXISTS (SELECT 1 FROM pg_dist_partition"
-                        " WHERE logicalrelid = to_regclass(%s))", (table,)).fetchone()[0]
+def _is_distributed_table(conn: psycopg.Connection[Any], table: str) -> bool:
+    distributed: bool = one(conn.execute("SELECT EXISTS (SELECT 1 FROM pg_dist_partition"
+                                         " WHERE logicalrelid = to_regclass(%s))", (table,)))[0]
+    return distributed
 
 
 class Detector:
@@ -265,7 +270,7 @@ class Detector:
             yield db.Query("SELECT set_config('citus.node_connection_timeout', %s, false)",
                            (f"{int(self.node_connection_timeout * 1000)}ms",))
 
-    def __call__(self, conn: psycopg.Connection) -> None:
+    def __call__(self, conn: psycopg.Connection[Any]) -> None:
         db.run(conn, self.set_up())
 
     async def configure_async(self, conn: psycopg.AsyncConnection) -> None:

@@ -12,8 +12,8 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Callable, Iterator
-from typing import TypeVar
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any, TypeVar, cast
 
 import psycopg
 from psycopg.conninfo import make_conninfo
@@ -26,10 +26,10 @@ log = logging.getLogger("agent_inbox.citus")
 T = TypeVar("T")
 
 
-def by_bucket(items: list, user_of) -> list[list]:
+def by_bucket(items: Sequence[T], user_of: Callable[[T], str]) -> list[list[T]]:
     """`items` in one list per bucket of `user_of(item)`, by bucket, each in the
     order given: what one statement or transaction about one bucket gets."""
-    groups: dict[int, list] = {}
+    groups: dict[int, list[T]] = {}
     for item in items:
         groups.setdefault(bucket(user_of(item)), []).append(item)
     return [groups[b] for b in sorted(groups)]
@@ -76,7 +76,7 @@ class NodeMap:
     until the next read a moved bucket is read with its old node's group, which
     changes no answer, only which node's silence holds it up."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self._groups: list[list[int]] = []
         self._addresses: dict[int, tuple[str, int]] = {}  # bucket -> its node (host, port)
         self._read_at = -math.inf
@@ -85,7 +85,7 @@ class NodeMap:
         self._timeouts: dict[tuple[int, ...], int] = {}  # a node's timeouts in a row
         self._lock = threading.Lock()  # the keeper, the completer and takes share one map
 
-    def groups(self, conn: psycopg.Connection) -> list[list[int]]:
+    def groups(self, conn: psycopg.Connection[Any]) -> list[list[int]]:
         if time.monotonic() - self._read_at > NODE_MAP_TTL:
             nodes = conn.execute(NODE_BUCKETS).fetchall()
             self._groups = [buckets for buckets, _, _ in nodes]
@@ -113,7 +113,7 @@ class NodeMap:
         with self._lock:
             return any(until > now and bucket in group for group, until in self._hung.items())
 
-    def failed(self, buckets, exc: BaseException, seconds: float) -> None:
+    def failed(self, buckets: Iterable[int], exc: BaseException, seconds: float) -> None:
         """A piece of work on the node of `buckets` (some of them) failed after
         `seconds`: if that is a timeout (SLOW_FAILURE or more), the node's
         buckets are set aside for HUNG_SKIP seconds, with a warning."""
@@ -132,7 +132,7 @@ class NodeMap:
                             "buckets are set aside for %g s: %s", seconds, len(group), pause,
                             errors.first_line(exc))
 
-    def answered(self, buckets) -> None:
+    def answered(self, buckets: Iterable[int]) -> None:
         """The node of `buckets` answered: it is not set aside any more."""
         if not self._hung:
             return
@@ -147,8 +147,8 @@ class NodeMap:
 
 
 @contextlib.contextmanager
-def node_may_fail(conn: psycopg.Connection, failures: list, nodes: "NodeMap | None" = None,
-                  buckets=()) -> Iterator[None]:
+def node_may_fail(conn: psycopg.Connection[Any], failures: list[Exception],
+                  nodes: "NodeMap | None" = None, buckets: Iterable[int] = ()) -> Iterator[None]:
     """Around a piece of work on one node (a bucket's transaction or read) sent
     through the coordinator connection `conn`: if the node does not answer,
     or the work deadlocks, while `conn` itself is fine, the error is added to
@@ -223,14 +223,16 @@ class NodePools:
         """A connection to `bucket`'s node (whose address the map knows), kept
         for the next call unless it broke or was left in a transaction;
         psycopg.OperationalError if none can be had."""
-        address = self._nodes.address(bucket)
+        # known: the caller asked the map first (an unknown one fails in _take)
+        address = cast(tuple[str, int], self._nodes.address(bucket))
         conn = self._take(address)
         try:
             yield conn
         finally:
             self._give_back(address, conn)
 
-    def call(self, buckets: list[int], failures: list, work: Callable[[psycopg.Connection], T]
+    def call(self, buckets: list[int], failures: list[Exception],
+             work: Callable[[psycopg.Connection], T]
              ) -> T | None:
         """`work(conn)` on a connection to the node of `buckets` (its first
         names it); what it answered. Any psycopg.OperationalError is the
@@ -248,10 +250,11 @@ class NodePools:
         self._nodes.answered(buckets)
         return answer
 
-    def _take(self, address) -> psycopg.Connection:
+    def _take(self, address: tuple[str, int]) -> psycopg.Connection:
         """A kept connection (checked if idle long), or a new one if fewer than
         `size` are open, or else the first one given back within `wait`."""
         deadline = time.monotonic() + self._wait
+        conn: psycopg.Connection | None
         while True:
             with self._returned:
                 while not self._idle.get(address) and self._open.get(address, 0) >= self._size:
@@ -265,7 +268,7 @@ class NodePools:
                 if kept:
                     conn, idle_since = kept.pop()
                 else:
-                    conn, idle_since = None, None
+                    conn, idle_since = None, 0.0  # a new one, below
                     self._open[address] = self._open.get(address, 0) + 1
             if conn is None:
                 try:
@@ -283,7 +286,7 @@ class NodePools:
                 conn.close()
                 self._closed(address)
 
-    def _give_back(self, address, conn: psycopg.Connection) -> None:
+    def _give_back(self, address: tuple[str, int], conn: psycopg.Connection) -> None:
         if self._shut or conn.closed or conn.broken \
                 or conn.info.transaction_status != psycopg.pq.TransactionStatus.IDLE:
             conn.close()
@@ -293,7 +296,7 @@ class NodePools:
             self._idle.setdefault(address, []).append((conn, time.monotonic()))
             self._returned.notify()
 
-    def _closed(self, address) -> None:
+    def _closed(self, address: tuple[str, int]) -> None:
         with self._returned:
             self._open[address] = self._open.get(address, 1) - 1
             self._returned.notify()
@@ -306,8 +309,8 @@ class NodePools:
             conn.close()
 
 
-def per_node(conn: psycopg.Connection, nodes: NodeMap, statement: str,
-             params: dict, pools: NodePools | None = None) -> list[tuple]:
+def per_node(conn: psycopg.Connection[Any], nodes: NodeMap, statement: str,
+             params: dict[str, Any], pools: NodePools | None = None) -> list[tuple[Any, ...]]:
     """A read across shards sent once per worker node, `%(buckets)s` bound to
     that node's buckets (the statement filters `bucket = ANY(%(buckets)s)`, so
     Citus sends it to that node alone): the rows of every node that answered.
@@ -316,7 +319,8 @@ def per_node(conn: psycopg.Connection, nodes: NodeMap, statement: str,
     reached is skipped with a warning: its users wait for it while every other
     node's work goes on. In autocommit only (a failed read would abort a
     transaction); each read is a transaction of its own (`_one_connection`)."""
-    rows, failures = [], []
+    rows: list[tuple[Any, ...]] = []
+    failures: list[Exception] = []
     for buckets in nodes.groups(conn):
         if nodes.hung(buckets[0]) or conn.closed:  # timed out a moment ago: not asked
             continue
@@ -332,7 +336,8 @@ def per_node(conn: psycopg.Connection, nodes: NodeMap, statement: str,
     return rows
 
 
-def _one_connection(conn: psycopg.Connection, statement: str, params: dict) -> list[tuple]:
+def _one_connection(conn: psycopg.Connection[Any], statement: str, params: dict[str, Any]
+                    ) -> list[tuple[Any, ...]]:
     """A read of many shards of one node without a connection per shard: in
     autocommit Citus reads a node's shards in parallel over as many
     connections as it opens (up to 16 a node), keeps one of them, and closes

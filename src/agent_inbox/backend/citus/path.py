@@ -8,6 +8,8 @@ import contextlib
 from collections.abc import Callable
 from typing import Any
 
+import psycopg
+
 from agent_inbox.backend.citus import nodes as citus_nodes
 from agent_inbox.backend.citus import statements as citus_statements
 from agent_inbox import db, errors
@@ -54,7 +56,7 @@ class PerBucket(PerBucketStatements):
         if self._node_pools is not None:
             self._node_pools.close()
 
-    def _on_node(self, conn, bucket: int, failures: list, call: Callable[[Any], Any]):
+    def _on_node(self, conn: psycopg.Connection[Any], bucket: int, failures: list, call: Callable[[Any], Any]):
         """`call(conn)`, one piece of work about `bucket` (a call that is a
         transaction of its own), on a connection straight to its node with
         `citus_nodes="direct"` once the map knows the node (citus_nodes.NodePools),
@@ -116,14 +118,14 @@ class PerBucket(PerBucketStatements):
             raise errors.PartlyDone(f"{len(unknown)} leases not renewed: {why}", renewed, unknown)
         return renewed
 
-    def release(self, conn, holder, keys, now, **options):
+    def release(self, conn: psycopg.Connection[Any], holder, keys, now, **options):
         released = []
         for group in self.groups(keys, lambda key: key[0]):  # one node's transaction each
             with conn.transaction():
                 released += bucketed.release(conn, holder, group, now, **options)
         return released
 
-    def held_by(self, conn, holder, now):
+    def held_by(self, conn: psycopg.Connection[Any], holder, now):
         """On the nodes that answer."""
         return bucketed.held_by(conn, self._nodes, holder, now, self._node_pools)
 
@@ -212,7 +214,7 @@ class PerBucket(PerBucketStatements):
         return answers
 
     def record_steps(self, records, now):
-        def record(conn, group):  # the lease rows locked in user order
+        def record(conn: psycopg.Connection[Any], group):  # the lease rows locked in user order
             order = sorted(range(len(group)), key=lambda k: group[k].user)
             flags = dict(zip(order, bucketed.record_steps(conn, [group[k] for k in order], now)))
             return [flags[k] for k in range(len(group))]
@@ -250,13 +252,13 @@ class PerBucket(PerBucketStatements):
                 break
         return looked, batches
 
-    def timer_firings(self, conn, now):
+    def timer_firings(self, conn: psycopg.Connection[Any], now):
         """One bucket's timers per transaction (backend/citus/statements.py)."""
         return [lambda now, limit, bucket=bucket: bucketed.fire_timers(conn, bucket, now, limit)
                 for bucket in bucketed.due_timer_buckets(conn, self._nodes, now,
                                                          self._node_pools)]
 
-    def repair_dead(self, conn, pairs, requeue, actor, now):
+    def repair_dead(self, conn: psycopg.Connection[Any], pairs, requeue, actor, now):
         return bucketed.repair_dead(conn, pairs, requeue=requeue, actor=actor, now=now)
 
     def compact(self, **options):

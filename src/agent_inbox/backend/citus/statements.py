@@ -51,12 +51,15 @@ here is about one bucket, on one node.
 """
 
 import json
+from typing import Any
 
+import psycopg
 
 from agent_inbox.backend.citus import nodes as citus_nodes
 from agent_inbox import db, notify
 from agent_inbox.db import Queries, Query
-from agent_inbox.store import admin, approvals, inbox, lease, outbox, steps, timers
+from agent_inbox.records import StepRecord
+from agent_inbox.store import admin, approvals, inbox, lease, one, outbox, steps, timers
 from agent_inbox.store.clock import DB_CLOCK, NOW
 from agent_inbox.store.inbox import LOOK
 from agent_inbox.store.keys import user_key
@@ -111,7 +114,7 @@ SELECT w.user_id, w.id, l.next_at
 
 WAKE = "INSERT INTO wakes (bucket, user_id, at) VALUES (%(bucket)s, %(user)s, %(at)s)"
 
-def _due(conn, nodes: citus_nodes.NodeMap, statement: str, now: int | None,
+def _due(conn: psycopg.Connection[Any], nodes: citus_nodes.NodeMap, statement: str, now: int | None,
          pools: citus_nodes.NodePools | None = None) -> list[int]:
     """The buckets `statement` (bucket, its oldest due time) finds on every node
     that answers (asked through the coordinator, or with `pools` each node
@@ -121,7 +124,7 @@ def _due(conn, nodes: citus_nodes.NodeMap, statement: str, now: int | None,
     return [b for b, _ in sorted(rows, key=lambda row: (row[1], row[0]))]
 
 
-def due_buckets(conn, nodes: citus_nodes.NodeMap, now: int | None,
+def due_buckets(conn: psycopg.Connection[Any], nodes: citus_nodes.NodeMap, now: int | None,
                 pools: citus_nodes.NodePools | None = None) -> list[int]:
     return _due(conn, nodes, DUE_BUCKETS, now, pools)
 
@@ -157,12 +160,12 @@ SELECT user_id FROM deliveries
 """
 
 
-def due_delivery_buckets(conn, nodes: citus_nodes.NodeMap, now: int | None,
+def due_delivery_buckets(conn: psycopg.Connection[Any], nodes: citus_nodes.NodeMap, now: int | None,
                          pools: citus_nodes.NodePools | None = None) -> list[int]:
     return _due(conn, nodes, DUE_DELIVERY_BUCKETS, now, pools)
 
 
-def lock_due_deliveries(conn, bucket: int, limit: int, now: int | None) -> list[str]:
+def lock_due_deliveries(conn: psycopg.Connection[Any], bucket: int, limit: int, now: int | None) -> list[str]:
     params = {"bucket": bucket, "users": limit, "now": now}
     return [u for u, in conn.execute(LOCK_DUE_IN_BUCKET, params).fetchall()]
 
@@ -188,12 +191,12 @@ SELECT {timers.RIPE_COLUMNS}
 """
 
 
-def due_timer_buckets(conn, nodes: citus_nodes.NodeMap, now: int | None,
+def due_timer_buckets(conn: psycopg.Connection[Any], nodes: citus_nodes.NodeMap, now: int | None,
                       pools: citus_nodes.NodePools | None = None) -> list[int]:
     return _due(conn, nodes, DUE_TIMER_BUCKETS, now, pools)
 
 
-def fire_timers(conn, bucket: int, now: int | None, limit: int) -> timers.Batch:
+def fire_timers(conn: psycopg.Connection[Any], bucket: int, now: int | None, limit: int) -> timers.Batch:
     """One batch of a bucket's due timers, in the caller's transaction; the
     users whose timers fired get their lease rows and wakes (events_inserted)."""
     ripe = conn.execute(RIPE_IN_BUCKET, {"bucket": bucket, "now": now, "limit": limit}).fetchall()
@@ -237,7 +240,7 @@ SELECT l.user_id, l.gen FROM leases l
 """
 
 
-def held_by(conn, nodes: citus_nodes.NodeMap, holder: str, now: int | None,
+def held_by(conn: psycopg.Connection[Any], nodes: citus_nodes.NodeMap, holder: str, now: int | None,
             pools: citus_nodes.NodePools | None = None) -> list[tuple[str, int]]:
     """The (user, gen) of the leases `holder` holds, on every node that answers."""
     params = {"holder": holder, "now": now}
@@ -270,13 +273,13 @@ UPDATE events e
 """
 
 
-def _expire(conn, user: str, holder: str, gen: int, now: int | None) -> dict | None:
+def _expire(conn: psycopg.Connection[Any], user: str, holder: str, gen: int, now: int | None) -> dict[str, Any] | None:
     params = user_key(user, holder=holder, gen=gen, now=now)
     row = conn.execute(EXPIRE, params).fetchone()
     return None if row is None else {**params, "at": row[0]}
 
 
-def release(conn, holder: str, keys: list[tuple[str, int]], now: int | None, *,
+def release(conn: psycopg.Connection[Any], holder: str, keys: list[tuple[str, int]], now: int | None, *,
             error: str | None = None, at_once: bool = True, spare: bool = False) -> list[str]:
     """store/lease.py's release, in the caller's transaction; the users released."""
     released = []
@@ -290,7 +293,7 @@ def release(conn, holder: str, keys: list[tuple[str, int]], now: int | None, *,
     return released
 
 
-def hand_back(conn, runs: list[tuple[str, str, int, bool]], now: int | None) -> list[str]:
+def hand_back(conn: psycopg.Connection[Any], runs: list[tuple[str, str, int, bool]], now: int | None) -> list[str]:
     """store/lease.py's HAND_BACK for (user, holder, gen, unfinished) runs, in
     the caller's transaction; the users given back."""
     given = []
@@ -335,8 +338,8 @@ VALUES (%(bucket)s, %(user)s, coalesce(%(at)s::bigint, {DB_CLOCK}), %(actor)s, %
 """
 
 
-def repair_dead(conn, pairs: list[tuple[str, int]], *, requeue: bool, actor: str,
-                now: int | None) -> list[dict]:
+def repair_dead(conn: psycopg.Connection[Any], pairs: list[tuple[str, int]], *, requeue: bool, actor: str,
+                now: int | None) -> list[dict[str, Any]]:
     """store/admin.py's requeue (or discard) of the dead events among (user, id)
     pairs, in the caller's transaction, with the same records and answers."""
     ids_of: dict[str, list[int]] = {}
@@ -351,7 +354,7 @@ def repair_dead(conn, pairs: list[tuple[str, int]], *, requeue: bool, actor: str
         params["ids"] = [row[0] for row in dead]
         at = None
         if requeue:
-            at = conn.execute(REQUEUE_ROWS, {**params, "now": now}).fetchone()[0]
+            at = one(conn.execute(REQUEUE_ROWS, {**params, "now": now}))[0]
             conn.execute(WAKE, {**params, "at": at})
         else:
             conn.execute(DISCARD_ROWS, params)
@@ -393,7 +396,7 @@ RETURNING 1
 """
 
 
-def record_steps(conn, records: list[steps.StepRecord], now: int | None) -> list[bool]:
+def record_steps(conn: psycopg.Connection[Any], records: list[StepRecord], now: int | None) -> list[bool]:
     """Each record stored (True) or refused by its fence, in the caller's
     transaction; the records are one bucket's, in user order (lease locks)."""
     stored = []
@@ -416,7 +419,7 @@ INSERT INTO wakes (bucket, user_id, at) VALUES (%(bucket)s, %(user)s, {DB_CLOCK}
 """)
 
 
-def events_inserted(users) -> Queries[None]:
+def events_inserted(users: list[str]) -> Queries[None]:
     """The trigger's work for `users` (each one routed), then the NOTIFY."""
     lease_row, wake = EVENTS_INSERTED
     for user in sorted(set(users)):
