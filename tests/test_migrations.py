@@ -15,7 +15,7 @@ from agent_inbox.store import keys
 TABLES = {"events", "leases", "timers", "outbox", "operator_actions", "deliveries", "wakes",
           "run_stats", "steps",
           "memory", "policies", "default_policies", "permit_decisions", "limits",
-          "console_sessions", "wakes_ring"}
+          "console_sessions", "wakes_ring", "fleet_pause"}
 RINGS = {"wakes_0", "wakes_1", "wakes_2"}  # the partitions of wakes (migration 0011)
 
 

@@ -7,3 +7,4 @@ delays work by at most a polling interval and never loses it.
 WORK = "agent_inbox_work"      # events inserted (the events_inserted trigger)
 TIMERS = "agent_inbox_timers"  # timers created or replaced
 OUTBOX = "agent_inbox_outbox"  # messages queued by a finished run
+CANCEL = "agent_inbox_cancel"  # a run fenced off by an operator: {"user", "gen"} (store/pauses.py)

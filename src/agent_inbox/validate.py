@@ -145,3 +145,9 @@ def answer(field: str, value: object) -> str:
     if value not in ("yes", "no"):
         raise errors.InvalidAnswer(field, value, "must be 'yes' or 'no'")
     return value
+
+
+def boolean(field: str, value: object) -> bool:
+    if not isinstance(value, bool):
+        raise errors.InvalidInput(field, value, "must be True or False")
+    return value

@@ -18,7 +18,7 @@ from agent_inbox import db, errors, metrics, tracing, validate
 from agent_inbox.api.settings import Settings
 from agent_inbox.backend.path import Statements
 from agent_inbox.records import EVENT_STATUSES, Approval, Event
-from agent_inbox.store import inbox, views
+from agent_inbox.store import inbox, pauses, views
 from agent_inbox.store import memory as memories
 
 T = TypeVar("T")
@@ -140,6 +140,62 @@ class Calls:
         answer = validate.answer("answer", answer)
         now = validate.optional_epoch("now", now)
         return Call(lambda: self._statements.answer_approval(user, request_id, answer, now), True)
+
+
+    # --- stopping an agent (store/pauses.py) ------------------------------------
+
+    def pause(self, user: str, *, actor: str, reason: str | None = None, cancel: bool = False,
+              now: int | None = None) -> Call[dict[str, Any]]:
+        """Pause `user`: its events are stored and not run, its outbox held,
+        until `resume`; with `cancel`, its run in flight is fenced off too."""
+        user, actor = validate.text("user", user, validate.MAX_USER_BYTES), validate.text("actor", actor)
+        reason = pauses.check_reason(reason)
+        cancel = validate.boolean("cancel", cancel)
+        now = validate.optional_epoch("now", now)
+        return Call(lambda: pauses.pause(user, actor, reason, cancel, now), True)
+
+    def resume(self, user: str, *, actor: str, now: int | None = None) -> Call[dict[str, Any]]:
+        """Resume a paused user: what it held goes on, in order."""
+        user, actor = validate.text("user", user, validate.MAX_USER_BYTES), validate.text("actor", actor)
+        now = validate.optional_epoch("now", now)
+        return Call(lambda: pauses.resume(user, actor, now), True)
+
+    def cancel(self, user: str, *, actor: str, reason: str | None = None,
+               now: int | None = None) -> Call[dict[str, Any]]:
+        """Fence off `user`'s run in flight (its events are taken again)."""
+        user, actor = validate.text("user", user, validate.MAX_USER_BYTES), validate.text("actor", actor)
+        reason = pauses.check_reason(reason)
+        now = validate.optional_epoch("now", now)
+        return Call(lambda: pauses.cancel(user, actor, reason, now), True)
+
+    def pause_fleet(self, *, actor: str, reason: str | None = None,
+                    now: int | None = None) -> Call[dict[str, Any]]:
+        """Pause the fleet: no new run anywhere, every outbox held."""
+        actor = validate.text("actor", actor)
+        reason = pauses.check_reason(reason)
+        now = validate.optional_epoch("now", now)
+        return Call(lambda: pauses.pause_fleet(actor, reason, now), True)
+
+    def resume_fleet(self, *, actor: str, now: int | None = None) -> Call[dict[str, Any]]:
+        actor = validate.text("actor", actor)
+        now = validate.optional_epoch("now", now)
+        return Call(lambda: pauses.resume_fleet(actor, now), True)
+
+    def held(self, *, now: int | None = None) -> Call[list[str]]:
+        """The users a run holds the lease of (what the fleet's cancel cancels)."""
+        now = validate.optional_epoch("now", now)
+        return Call(lambda: pauses.held(now), False)
+
+    def pauses(self, *, limit: int = 100) -> Call[dict[str, Any]]:
+        """{"fleet": the fleet's pause or None, "users": the paused users
+        (longest paused first, at most `limit`), "users_total"}."""
+        limit = validate.positive_int("limit", limit)
+
+        def queries() -> db.Queries[dict[str, Any]]:
+            fleet = yield from pauses.fleet()
+            users, total = yield from pauses.paused(limit)
+            return {"fleet": fleet, "users": users, "users_total": total}
+        return Call(queries, False)
 
 
 def _traceparent(given) -> str | None:

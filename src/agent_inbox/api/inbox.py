@@ -241,6 +241,60 @@ class Inbox:
             admin.record_memory_change(conn, user, actor, previous and previous["doc"], doc,
                                        now)
 
+    # --- stopping an agent (store/pauses.py, docs/operating/stopping.md) -------
+
+    def pause(self, user: str, *, actor: str, reason: str | None = None, cancel: bool = False,
+              now: int | None = None) -> dict:
+        """Pause `user`: its events are still stored (dedup as usual), its
+        timers still fire and its approvals can still be answered, but no run
+        starts and its outbox messages are held until `resume` (a batch
+        already handed to the channel is not recalled). A run in flight goes
+        on to its end, unless `cancel`: then its lease is fenced off (nothing
+        it would commit commits), its events go back to pending with the
+        attempt undone and its worker stops it within seconds. Recorded in
+        operator_actions. {"user", "paused_at", "reason", "already",
+        "cancelled": {"gen", "events"} or None}. InvalidInput for an unknown
+        user (one with no events), nothing changed."""
+        return self._run(self._calls.pause(user, actor=actor, reason=reason, cancel=cancel,
+                                           now=now))
+
+    def resume(self, user: str, *, actor: str, now: int | None = None) -> dict:
+        """Resume a paused user: its events are taken again and its held
+        messages sent, in order. {"user", "resumed"}: False if it was not paused."""
+        return self._run(self._calls.resume(user, actor=actor, now=now))
+
+    def cancel(self, user: str, *, actor: str, reason: str | None = None,
+               now: int | None = None) -> dict:
+        """Cancel `user`'s run in flight without pausing it (see `pause`):
+        its events are taken again by the next take. {"user", "cancelled"}:
+        None if no run held the lease."""
+        return self._run(self._calls.cancel(user, actor=actor, reason=reason, now=now))
+
+    def pause_fleet(self, *, actor: str, reason: str | None = None, cancel: bool = False,
+                    now: int | None = None) -> dict:
+        """The emergency brake: no take anywhere starts a run and no
+        dispatcher sends, from the commit on (every take reads the pause),
+        until `resume_fleet`. Runs in flight end, or with `cancel` are each
+        cancelled (one transaction a user, after the pause committed).
+        {"paused_at", "actor", "reason", "already", "cancelled": [users]}."""
+        state = self._run(self._calls.pause_fleet(actor=actor, reason=reason, now=now))
+        cancelled = []
+        if validate.boolean("cancel", cancel):
+            for user in self._run(self._calls.held(now=now)):
+                if self._run(self._calls.cancel(user, actor=actor, reason=reason,
+                                                now=now))["cancelled"]:
+                    cancelled.append(user)
+        return {**state, "cancelled": cancelled}
+
+    def resume_fleet(self, *, actor: str, now: int | None = None) -> dict:
+        """Lift the fleet's pause. {"resumed"}: False if it was not paused."""
+        return self._run(self._calls.resume_fleet(actor=actor, now=now))
+
+    def pauses(self, *, limit: int = 100) -> dict:
+        """{"fleet": {"paused_at", "actor", "reason"} or None, "users": [{"user",
+        "paused_at", "reason"}] longest paused first (at most `limit`), "users_total"}."""
+        return self._run(self._calls.pauses(limit=limit))
+
     # --- durable steps, operators' view ---------------------------------------
 
     def steps(self, user: str) -> list[RecordedStep]:

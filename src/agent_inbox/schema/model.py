@@ -94,8 +94,26 @@ leases = sa.Table(
     # a lower id, but for those a wake's `from_id` names. The scans of a user's
     # open events start here, past the dead versions a held horizon leaves.
     sa.Column("open_from", sa.BigInteger, nullable=False, server_default="0"),
+    # A paused user (migration 0013, store/pauses.py): since when, and why.
+    # Every take reads this row already: a paused user is never taken.
+    sa.Column("paused_at", sa.BigInteger),
+    sa.Column("paused_reason", sa.Text),
     sa.PrimaryKeyConstraint("user_id"),
     sa.CheckConstraint("gen >= 0", name="gen"),
+)
+sa.Index("ix_leases_paused", leases.c.user_id, postgresql_where=sa.text("paused_at IS NOT NULL"))
+
+# The fleet's pause (`pause --all`, store/pauses.py): no row while the fleet
+# runs, one while it is paused. Every take and every dispatcher's scan reads it.
+fleet_pause = sa.Table(
+    "fleet_pause",
+    metadata,
+    sa.Column("id", sa.SmallInteger, nullable=False, server_default="1"),
+    sa.Column("paused_at", sa.BigInteger, nullable=False, server_default=DB_CLOCK),
+    sa.Column("actor", sa.Text, nullable=False),
+    sa.Column("reason", sa.Text),
+    sa.PrimaryKeyConstraint("id"),
+    sa.CheckConstraint("id = 1", name="one_row"),
 )
 
 # "Look at this user at `at`": what finding work walks (ix_wakes_at, due first),
@@ -282,12 +300,14 @@ operator_actions = sa.Table(
     sa.PrimaryKeyConstraint("user_id", "id"),
     sa.CheckConstraint(
         "action IN ('requeue', 'discard', 'outbox_retry', 'outbox_discard', "
-        "'memory_set', 'memory_clear', 'policy_set', 'policy_clear')", name="action"
+        "'memory_set', 'memory_clear', 'policy_set', 'policy_clear', "
+        "'pause', 'resume', 'cancel', 'fleet_pause', 'fleet_resume')", name="action"
     ),
     # An event's repair names the event, an outbox repair its batch; a memory or
-    # policy change names neither.
+    # policy change, a pause, resume or cancel names neither (the fleet's: user '').
     sa.CheckConstraint(
-        "CASE WHEN action IN ('memory_set', 'memory_clear', 'policy_set', 'policy_clear')"
+        "CASE WHEN action IN ('memory_set', 'memory_clear', 'policy_set', 'policy_clear',"
+        " 'pause', 'resume', 'cancel', 'fleet_pause', 'fleet_resume')"
         " THEN event_id IS NULL AND outbox_batch IS NULL"
         " ELSE (event_id IS NULL) <> (outbox_batch IS NULL) END", name="one_target"),
 )

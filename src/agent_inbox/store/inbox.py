@@ -18,7 +18,7 @@ from psycopg.rows import class_row
 from agent_inbox.db import Queries, Query
 from agent_inbox.records import ClaimPolicy, Event
 from agent_inbox import notify
-from agent_inbox.store import lease, steps, wake_rings
+from agent_inbox.store import lease, pauses, steps, wake_rings
 from agent_inbox.store.memory import REPLACES as MEMORY_REPLACES
 from agent_inbox.store.outbox import DUE_NOW as DELIVERY_DUE_NOW
 from agent_inbox.store.clock import DB_CLOCK, NOW
@@ -262,6 +262,8 @@ def claimable(user: str, now: str, *, bucket: str | None = None,
 # in the rings the take names).
 CLAIMABLE = claimable("w.user_id", "clock.now",
                       from_id=low_water("w.user_id", rings=wake_rings.GIVEN))
+# A take takes the user of a wake `w` whose lease row is `l`: free, not paused, with work.
+TAKEABLE = f"l.until < clock.now AND {pauses.NOT_PAUSED} AND {CLAIMABLE}"
 
 # How many wakes a take looks at beyond the users it takes (see TAKE_WORK).
 LOOK = 1000
@@ -308,17 +310,18 @@ LOOK = 1000
 TAKE_WORK = f"""
 WITH clock AS (
     SELECT {NOW} AS now, greatest({NOW}, {DB_CLOCK}) AS due,
-           {wake_rings.GIVEN_HOLD} AS rings_hold  -- store/wake_rings.py: else nothing is taken
+           {wake_rings.GIVEN_HOLD} AS rings_hold,  -- store/wake_rings.py: else nothing is taken
+           {pauses.FLEET_RUNS} AS fleet_runs  -- store/pauses.py: else nothing is taken
 ), pick AS (  -- due wakes in order, each user's lease by key (LIMIT: never a join)
     SELECT w.user_id, l.lease, w.at, w.id
       FROM wakes w
       CROSS JOIN LATERAL (
            SELECT l.ctid AS lease FROM leases l, clock
-            WHERE l.user_id = w.user_id AND l.until < clock.now AND {CLAIMABLE}
+            WHERE l.user_id = w.user_id AND {TAKEABLE}
             LIMIT 1
               FOR UPDATE OF l SKIP LOCKED) l
      WHERE w.at <= (SELECT due FROM clock)  -- a bound of the index scan
-       AND w.ring IN ({wake_rings.GIVEN}) AND (SELECT rings_hold FROM clock)
+       AND w.ring IN ({wake_rings.GIVEN}) AND (SELECT rings_hold AND fleet_runs FROM clock)
      ORDER BY w.at, w.id
      LIMIT (SELECT %(users)s::int)  -- see "The LIMIT" above
 ), reach AS (  -- how far pick read: to its last wake if it took `users`, else every due wake
@@ -326,25 +329,28 @@ WITH clock AS (
       FROM clock LEFT JOIN (SELECT at, id FROM pick ORDER BY at DESC, id DESC LIMIT 1) last
         ON (SELECT count(*) FROM pick) >= %(users)s
 ), stale AS (  -- among the first LOOK wakes pick read past, those whose user it cannot take
-    SELECT w.user_id, l.until, l.open_from, clock.now
+    SELECT w.user_id, l.until, l.open_from, l.paused_at, clock.now
       FROM clock, (SELECT user_id, at, id FROM wakes
                     WHERE (at, id) < ((SELECT at FROM reach), (SELECT id FROM reach))
-                      AND ring IN ({wake_rings.GIVEN}) AND (SELECT rings_hold FROM clock)
+                      AND ring IN ({wake_rings.GIVEN})
+                      AND (SELECT rings_hold AND fleet_runs FROM clock)
                     ORDER BY at, id LIMIT {LOOK}) w
       CROSS JOIN LATERAL (  -- each lease by key (LIMIT: never turned into a join)
-           SELECT l.until, l.open_from FROM leases l
-            WHERE l.user_id = w.user_id AND NOT (l.until < clock.now AND {CLAIMABLE})
+           SELECT l.until, l.open_from, l.paused_at FROM leases l
+            WHERE l.user_id = w.user_id AND NOT ({TAKEABLE})
             LIMIT 1
               FOR UPDATE OF l SKIP LOCKED) l
-), looked AS (  -- a held lease: its end; else the next retry; no open event: no wake
+), looked AS (  -- a held lease: its end; else the next retry, or if paused the
+               -- parked wake (store/pauses.py); no open event: no wake
     SELECT s.user_id,
            CASE WHEN s.until >= s.now THEN s.until + 1
-                ELSE (SELECT min(e.available_at) FROM events e
+                ELSE (SELECT {pauses.parked_or("min(e.available_at)", "s.paused_at")}
+                        FROM events e
                        WHERE e.user_id = s.user_id
                          AND e.id >= {low_water("s.user_id", "s", wake_rings.GIVEN)}
                          AND {OPEN})
                 END AS next_at
-      FROM (SELECT DISTINCT user_id, until, open_from, now FROM stale) s
+      FROM (SELECT DISTINCT user_id, until, open_from, paused_at, now FROM stale) s
 ), picked AS (
     SELECT user_id, lease, min(at) AS waiting_since, min(id) AS first_wake
       FROM pick GROUP BY user_id, lease

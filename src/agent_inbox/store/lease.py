@@ -7,6 +7,10 @@ A user's lease row moves through these states (now is the database clock):
     held(h, g, until ≥ now) ──acquire(other)─────▶ unchanged, refused (None)
     held(h, g, until < now) ──acquire(anyone)────▶ held(x, g+1, now+ttl)     takeover
     held(h, g, until ≥ now) ──release(h, g)──────▶ held(h, g, now-1)         expired
+    held(h, g, until ≥ now) ──cancel─────────────▶ held('', g+1, now-1)      fenced off
+
+A paused lease (`paused_at` set, store/pauses.py) is never taken over and
+never taken; a run holding it renews until it ends or is cancelled.
 
 A takeover by the same holder also starts a new generation, and a released lease
 keeps its generation: either way a stalled run's late finish in the old
@@ -78,6 +82,8 @@ UPDATE leases l
   FROM clock
  WHERE l.bucket = %(bucket)s AND l.user_id = %(user)s
    AND (l.until < clock.now OR l.holder = %(holder)s)
+   -- a paused user (store/pauses.py) is not taken over; a run holding it renews
+   AND (l.paused_at IS NULL OR (l.holder = %(holder)s AND l.until >= clock.now))
 RETURNING l.gen
 """
 

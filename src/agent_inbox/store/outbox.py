@@ -39,16 +39,17 @@ from psycopg.rows import class_row, dict_row
 from agent_inbox.records import Batch, Failure
 from agent_inbox.records import OutboxMessage
 from agent_inbox import notify
-from agent_inbox.store import one
+from agent_inbox.store import one, pauses
 from agent_inbox.store.clock import NOW
 from agent_inbox.store.keys import user_key, users_key
 
 # The users a dispatcher claims: due ones, longest due first, skipping rows
-# another dispatcher (or a finish) holds. LOCK_USER: one user, for the API's
+# another dispatcher (or a finish) holds; none while the fleet is paused
+# (store/pauses.py: its due rows stay due). LOCK_USER: one user, for the API's
 # dispatch(user), which does not wait for due_at but never waits on a lock either.
 LOCK_DUE = f"""
 SELECT user_id FROM deliveries
- WHERE due_at <= {NOW}
+ WHERE due_at <= {NOW} AND {pauses.FLEET_RUNS}
  ORDER BY due_at
  LIMIT %(users)s
    FOR UPDATE SKIP LOCKED
@@ -66,11 +67,19 @@ SELECT user_id FROM deliveries WHERE bucket = %(bucket)s AND user_id = %(user)s
 #   send       held rows, and the gap has passed or one is urgent: a new batch;
 #   paced      held rows inside the gap: look again when it ends;
 #   idle       nothing held: not due.
+#   paused     the user is paused (store/pauses.py): nothing sent, not due
+#              until resume makes it due; a batch being sent now (in_flight:
+#              handed to the channel) is not recalled;
+#   fleet_held the fleet is paused (a LOCK_USER claim): nothing sent, due as it was.
 CLAIM = f"""
 WITH clock AS (
-    SELECT {NOW} AS now
+    SELECT {NOW} AS now, {pauses.FLEET_RUNS} AS fleet_runs
 ), mine AS (
-    SELECT d.*, clock.now FROM deliveries d, clock
+    SELECT d.*, clock.now, clock.fleet_runs,
+           EXISTS (SELECT 1 FROM leases l
+                    WHERE l.bucket = d.bucket AND l.user_id = d.user_id
+                      AND NOT {pauses.NOT_PAUSED}) AS paused
+      FROM deliveries d, clock
      WHERE d.bucket = ANY(%(buckets)s::int[]) AND d.user_id = ANY(%(users)s::text[])
 ), held AS (
     SELECT m.user_id, o.id, o.body, o.urgent, o.batch, o.traceparent
@@ -91,6 +100,8 @@ WITH clock AS (
 ), verdict AS (
     SELECT l.*, CASE
            WHEN l.batch IS NOT NULL AND l.sending_until > l.now THEN 'in_flight'
+           WHEN NOT l.fleet_runs THEN 'fleet_held'
+           WHEN l.paused THEN 'paused'
            WHEN l.batch IS NOT NULL AND l.written IS NOT NULL THEN 'resend'
            WHEN l.first_held IS NULL THEN 'idle'
            WHEN NOT (l.urgent OR l.last_sent_at IS NULL OR l.now - l.last_sent_at >= %(gap)s)
@@ -107,12 +118,14 @@ WITH clock AS (
     UPDATE deliveries d
        SET batch = CASE WHEN v.verdict = 'send' THEN v.first_held
                         WHEN v.verdict = 'resend' THEN v.written
-                        WHEN v.verdict = 'in_flight' THEN d.batch END,
-           sending_until = CASE WHEN v.verdict = 'in_flight' THEN d.sending_until
+                        WHEN v.verdict IN ('in_flight', 'paused', 'fleet_held') THEN d.batch END,
+           sending_until = CASE WHEN v.verdict IN ('in_flight', 'paused', 'fleet_held')
+                                THEN d.sending_until
                                 WHEN v.verdict IN ('send', 'resend')
                                 THEN v.now + %(send_timeout)s END,
            send_token = d.send_token + (v.verdict IN ('send', 'resend'))::int,
-           due_at = CASE WHEN v.verdict = 'idle' THEN NULL
+           due_at = CASE WHEN v.verdict IN ('idle', 'paused') THEN NULL
+                         WHEN v.verdict = 'fleet_held' THEN d.due_at
                          WHEN v.verdict = 'paced' THEN d.last_sent_at + %(gap)s
                          WHEN v.verdict = 'in_flight' THEN d.sending_until
                          ELSE v.now + %(send_timeout)s END

@@ -49,7 +49,7 @@ USER_TABLES = ("leases", "events", "wakes", "timers", "outbox", "deliveries", "o
                "steps", "memory", "policies", "permit_decisions")
 """Every table keyed by user, distributed by bucket and co-located with leases."""
 
-REFERENCE_TABLES = ("default_policies",)
+REFERENCE_TABLES = ("default_policies", "fleet_pause")
 """Small tables every node reads (a copy on each): read with a user's rows in
 one statement, written rarely (by operators)."""
 

@@ -59,7 +59,7 @@ from agent_inbox.backend.citus import nodes as citus_nodes
 from agent_inbox import db, notify
 from agent_inbox.db import Queries, Query
 from agent_inbox.records import StepRecord
-from agent_inbox.store import admin, approvals, inbox, lease, one, outbox, steps, timers
+from agent_inbox.store import admin, approvals, inbox, lease, one, outbox, pauses, steps, timers
 from agent_inbox.store.clock import DB_CLOCK, NOW
 from agent_inbox.store.inbox import LOOK
 from agent_inbox.store.keys import user_key
@@ -68,10 +68,15 @@ from agent_inbox.store.keys import user_key
 _CLAIMABLE = inbox.claimable("w.user_id", NOW, bucket="%(bucket)s")
 
 # Buckets with a due wake, and their oldest; read per node (citus_nodes.per_node).
-# Spans that node's shards; reads only, locks nothing.
+# Spans that node's shards; reads only, locks nothing. None while the fleet is
+# paused (store/pauses.py; its reference table has a copy on every node): the
+# take calls no bucket's function then. The functions cannot read it
+# themselves (a delegated function's statements must each name its bucket),
+# so a take whose DUE_BUCKETS read ran before the pause committed still takes.
 DUE_BUCKETS = f"""
 SELECT bucket, min(at) FROM wakes
  WHERE bucket = ANY(%(buckets)s) AND at <= greatest({NOW}, {DB_CLOCK})
+   AND {pauses.FLEET_RUNS}
  GROUP BY bucket
 """
 
@@ -83,7 +88,7 @@ SELECT w.user_id, w.at, w.id
   CROSS JOIN LATERAL (
        SELECT 1 FROM leases l
         WHERE l.bucket = %(bucket)s AND l.user_id = w.user_id AND l.until < {NOW}
-          AND {_CLAIMABLE}
+          AND {pauses.NOT_PAUSED} AND {_CLAIMABLE}
         LIMIT 1
           FOR UPDATE OF l SKIP LOCKED) l
  WHERE w.bucket = %(bucket)s AND w.at <= greatest({NOW}, {DB_CLOCK})
@@ -93,8 +98,8 @@ SELECT w.user_id, w.at, w.id
 
 # TAKE_WORK's stale: among the first LOOK due wakes before `(at, id)` (how far
 # PICK read), those whose user cannot be taken, each lease locked, and when the
-# user is next due: a held lease at its end, else its next retry (none: no
-# open event, no wake).
+# user is next due: a held lease at its end, else its next retry, parked if
+# the user is paused (store/pauses.py; none: no open event, no wake).
 STALE = f"""
 SELECT w.user_id, w.id, l.next_at
   FROM (SELECT user_id, at, id FROM wakes
@@ -102,12 +107,13 @@ SELECT w.user_id, w.id, l.next_at
          ORDER BY at, id LIMIT {LOOK}) w
   CROSS JOIN LATERAL (
        SELECT CASE WHEN l.until >= {NOW} THEN l.until + 1
-                   ELSE (SELECT min(e.available_at) FROM events e
+                   ELSE (SELECT {pauses.parked_or("min(e.available_at)", "l.paused_at")}
+                           FROM events e
                           WHERE e.bucket = %(bucket)s AND e.user_id = w.user_id
                             AND {inbox.OPEN}) END AS next_at
          FROM leases l
         WHERE l.bucket = %(bucket)s AND l.user_id = w.user_id
-          AND NOT (l.until < {NOW} AND {_CLAIMABLE})
+          AND NOT (l.until < {NOW} AND {pauses.NOT_PAUSED} AND {_CLAIMABLE})
         LIMIT 1
           FOR UPDATE OF l SKIP LOCKED) l
 """
@@ -146,14 +152,14 @@ INSERT INTO deliveries AS d (bucket, user_id, due_at) VALUES (%(bucket)s, %(user
 # per node. Reads only, locks nothing.
 DUE_DELIVERY_BUCKETS = f"""
 SELECT bucket, min(due_at) FROM deliveries
- WHERE bucket = ANY(%(buckets)s) AND due_at <= {NOW}
+ WHERE bucket = ANY(%(buckets)s) AND due_at <= {NOW} AND {pauses.FLEET_RUNS}
  GROUP BY bucket
 """
 
 # store/outbox.py's LOCK_DUE in one bucket.
 LOCK_DUE_IN_BUCKET = f"""
 SELECT user_id FROM deliveries
- WHERE bucket = %(bucket)s AND due_at <= {NOW}
+ WHERE bucket = %(bucket)s AND due_at <= {NOW} AND {pauses.FLEET_RUNS}
  ORDER BY due_at
  LIMIT %(users)s
    FOR UPDATE SKIP LOCKED
