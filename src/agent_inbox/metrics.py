@@ -23,6 +23,10 @@ RENEWALS_FAILED = Counter("agent_inbox_lease_renewals_failed_total",
                           "Lease renewals refused or failed past the TTL")
 RUNS_TIMED_OUT = Counter("agent_inbox_runs_timed_out_total",
                          "Runs stopped past --run-timeout (released, attempt counted)")
+RUNS_CANCELLED = Counter("agent_inbox_runs_cancelled_total",
+                         "Runs stopped because an operator cancelled them (store/pauses.py)")
+CANCELS_IGNORED = Counter("agent_inbox_cancels_ignored_total",
+                          "Cancelled runs whose handler still ran 5 s after the cancel")
 QUARANTINED = Counter("agent_inbox_runs_quarantined_total",
                       "Runs sent to a quarantine process (their last attempt ended without a finish)")
 DEAD = Counter("agent_inbox_events_dead_total", "Events parked dead (out of attempts)")
@@ -89,10 +93,14 @@ SELECT count(*) FILTER (WHERE failed_at IS NULL), count(*) FILTER (WHERE failed_
   FROM outbox WHERE sent_at IS NULL
 """
 
+# Paused users (ix_leases_paused) and whether the fleet is paused (store/pauses.py).
+PAUSED_USERS = "SELECT count(*) FROM leases WHERE paused_at IS NOT NULL"
+FLEET_PAUSED = "SELECT count(*) FROM fleet_pause"
+
 
 class InboxDepth:
-    """Events by status and unsent outbox messages, read from the database when
-    Prometheus scrapes."""
+    """Events by status, unsent outbox messages, paused users and the fleet's
+    pause, read from the database when Prometheus scrapes."""
 
     def __init__(self, pool):
         self.pool = pool
@@ -103,6 +111,8 @@ class InboxDepth:
             with db.connection(self.pool) as conn:
                 counts = dict(conn.execute(DEPTH).fetchall())
                 held, failed = conn.execute(OUTBOX_DEPTH).fetchone()
+                [paused_users] = conn.execute(PAUSED_USERS).fetchone()
+                [fleet_paused] = conn.execute(FLEET_PAUSED).fetchone()
         except errors.DatabaseUnavailable as exc:
             log.warning("inbox depth unavailable: %s", exc)
             return
@@ -115,6 +125,11 @@ class InboxDepth:
         unsent.add_metric(["held"], held)
         unsent.add_metric(["failed"], failed)
         yield unsent
+        yield GaugeMetricFamily("agent_inbox_users_paused",
+                                "Users paused (agent-inbox pause --user)", value=paused_users)
+        yield GaugeMetricFamily("agent_inbox_fleet_paused",
+                                "1 while the fleet is paused (agent-inbox pause --all)",
+                                value=int(fleet_paused))
 
 
 DEFAULT_HOST = "127.0.0.1"

@@ -25,7 +25,7 @@ from agent_inbox.api import scheduling
 from agent_inbox.api.settings import Settings
 from agent_inbox.backend.path import RunPath
 from agent_inbox.records import Event, RecordedStep, StepRecord
-from agent_inbox.store import approvals, inbox, policies, steps, timers
+from agent_inbox.store import approvals, inbox, pauses, policies, steps, timers
 
 
 @dataclass(frozen=True)
@@ -102,6 +102,17 @@ class Runs:
         now = validate.optional_epoch("now", now)
         return self._path.renew(holder, [run.key for run in runs], self._settings.lease_ttl,
                                 now)
+
+    def fenced_off(self, runs: list[Run]) -> tuple[set[tuple[str, int]], dict | None]:
+        """What a worker looks at between renewals (services/worker/keeper.py):
+        the (user, gen) keys of `runs` (one holder's) whose lease no longer
+        names them (cancelled by an operator, or taken over), and the fleet's
+        pause (store/pauses.py; None while it runs). Reads only."""
+        with db.connection(self._pool) as conn:
+            fleet = db.run(conn, pauses.fleet())
+            if not runs:
+                return set(), fleet
+            return db.run(conn, pauses.fenced_off(_holder_of(runs), [r.key for r in runs])), fleet
 
     def release(self, user: str, holder: str, gen: int, *, now: int | None = None) -> bool:
         """Expire a held lease at once (gen kept, so it still fences this holder)."""

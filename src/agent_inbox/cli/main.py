@@ -9,7 +9,7 @@ import os
 import sys
 
 from agent_inbox import errors
-from agent_inbox.cli import limits as limits_command, operator, options
+from agent_inbox.cli import limits as limits_command, operator, options, stopping
 from agent_inbox.cli import console as console_command
 from agent_inbox.cli import intake as ingest_command
 
@@ -253,6 +253,7 @@ def build_parser() -> argparse.ArgumentParser:
     ingest_command.add_parser(commands)
     console_command.add_parser(commands)
     operator.add_parsers(commands)
+    stopping.add_parsers(commands)
     limits_command.add_parser(commands)
     return parser
 

@@ -209,23 +209,42 @@ def add_parsers(commands) -> None:
 
 @options.reports_errors("status")
 def cmd_status(args: argparse.Namespace, name: str) -> int:
-    with options.opened(args, name) as inbox, db.connection(inbox.pool) as conn:
-        report = admin.status(conn, args.limit, args.now)
+    with options.opened(args, name) as inbox:
+        with db.connection(inbox.pool) as conn:
+            report = admin.status(conn, args.limit, args.now)
+        paused = inbox.pauses(limit=1)
     now, users, totals = report["now"], report["users"], report["totals"]
     rows = [[u["user"], u["pending"], u["running"], u["dead"], u["outbox_held"],
-             u["outbox_failed"], u["lease_holder"], u["lease_gen"] or None, _lease_expiry(u)]
+             u["outbox_failed"], u["lease_holder"], u["lease_gen"] or None, _lease_expiry(u),
+             _paused(u["paused_at"], u["paused_reason"])]
             for u in users]
-    lines = [tables.format_table(["user", "pending", "running", "dead", "outbox held",
-                                  "outbox failed", "lease holder", "gen", "lease expires"],
-                                 rows)] if users else [
-        "no user has pending, running or dead events, held messages or a lease"]
+    lines = [_fleet_line(paused["fleet"])] if paused["fleet"] else []
+    lines += [tables.format_table(["user", "pending", "running", "dead", "outbox held",
+                                   "outbox failed", "lease holder", "gen", "lease expires",
+                                   "paused"],
+                                  rows)] if users else [
+        "no user has pending, running or dead events, held messages, a lease or a pause"]
     lines.append(f"total: {totals['users']} users, {totals['pending']} pending, "
                  f"{totals['running']} running, {totals['dead']} dead, "
                  f"{totals['outbox_held']} outbox held, {totals['outbox_failed']} outbox failed")
+    if paused["users_total"]:
+        lines.append(f"paused: {paused['users_total']} users (`agent-inbox resume --user U`)")
     if len(users) < totals["users"]:
         lines.append(f"(showing the {len(users)} busiest of {totals['users']} users: --limit)")
-    options.emit(args, {"now": now, "users": users, "totals": totals}, "\n".join(lines))
+    options.emit(args, {"now": now, "users": users, "totals": totals, "fleet": paused["fleet"],
+                        "users_paused": paused["users_total"]}, "\n".join(lines))
     return 0
+
+
+def _paused(paused_at: int | None, reason: str | None) -> str | None:
+    if paused_at is None:
+        return None
+    return f"since {tables.when(paused_at)}" + (f": {reason}" if reason else "")
+
+
+def _fleet_line(fleet: dict) -> str:
+    return (f"THE FLEET IS PAUSED {_paused(fleet['paused_at'], fleet['reason'])} (by "
+            f"{fleet['actor']}): no run starts, no message is sent (`agent-inbox resume --all`)")
 
 
 def _lease_expiry(user: dict) -> str | None:
@@ -239,6 +258,7 @@ def cmd_events(args: argparse.Namespace, name: str) -> int:
     with options.opened(args, name) as inbox, db.connection(inbox.pool) as conn:
         events, total = admin.events(conn, args.user, args.status, args.limit)
         recorded = steps.list_steps(conn, args.user, args.limit)
+        held_by = admin.held_by_pause(conn, args.user)
     rows = [[e["id"], e["source"], e["source_id"], e["kind"], e["status"], e["attempts"],
              e["error"], tables.when(e["created_at"])] for e in events]
     what = f"{args.status} events" if args.status else "events"
@@ -246,6 +266,10 @@ def cmd_events(args: argparse.Namespace, name: str) -> int:
                                  "created"], rows) if events else f"user {args.user!r} has no {what}")
     if len(events) < total:
         text += f"\n(showing the newest {len(events)} of {total} {what}: --limit)"
+    if held_by["user"] or held_by["fleet"]:
+        by = (f"the user's pause {_paused(*held_by['user'])}" if held_by["user"]
+              else f"the fleet's pause {_paused(*held_by['fleet'])}")
+        text += f"\n\nheld by {by}: its pending events run after `agent-inbox resume`"
     if recorded:  # runs in flight, or that have not finished successfully yet
         text += "\n\ndurable steps recorded:\n" + tables.format_table(
             ["events", "step", "gen", "holder", "recorded", "result"],
@@ -255,7 +279,7 @@ def cmd_events(args: argparse.Namespace, name: str) -> int:
                   "occurrence": s.occurrence, "gen": s.gen, "holder": s.holder,
                   "recorded_at": s.recorded_at, "result": s.result} for s in recorded]
     options.emit(args, {"user": args.user, "status": args.status, "total": total, "events": events,
-                 "steps": steps_out}, text)
+                 "steps": steps_out, "held_by_pause": held_by}, text)
     return 0
 
 

@@ -146,15 +146,18 @@ def check_answers(url: str, option: str) -> None:
 
 class Listener(threading.Thread):
     """LISTEN on `channels` on a connection of its own; call `on_notify()` once per
-    notification. Whatever ends its loop (a lost connection, or anything else)
+    notification, or for a channel in `on_payload` that channel's callable with
+    the notification's payload. Whatever ends its loop (a lost connection, or anything else)
     is logged and the loop starts again after a backoff: it never stops
     silently. While it is down, services poll. With `url` None (behind a
     transaction pooler with no direct URL) it does not start: services poll."""
 
     def __init__(self, url: str | None, channels: list[str], on_notify: Callable[[], None],
-                 stop: Stop):
+                 stop: Stop, on_payload: dict[str, Callable[[str], None]] | None = None):
         super().__init__(name="agent-inbox-listener", daemon=True)
-        self.url, self.channels, self.on_notify, self.stop = url, channels, on_notify, stop
+        self.url, self.on_notify, self.stop = url, on_notify, stop
+        self.on_payload = on_payload or {}
+        self.channels = list(channels) + [c for c in self.on_payload if c not in channels]
 
     def start(self) -> None:
         if self.url is not None:
@@ -170,8 +173,11 @@ class Listener(threading.Thread):
                         conn.execute(f"LISTEN {channel}")
                     delays = backoff_delays()
                     while not self.stop.is_set():
-                        for _ in conn.notifies(timeout=1.0):
-                            self.on_notify()
+                        for notice in conn.notifies(timeout=1.0):
+                            if notice.channel in self.on_payload:
+                                self.on_payload[notice.channel](notice.payload)
+                            else:
+                                self.on_notify()
             except psycopg.Error as exc:
                 log.warning("listener lost its connection (%s); services poll meanwhile", exc)
                 self.stop.wait(next(delays))

@@ -23,7 +23,7 @@ from agent_inbox.store.clock import NOW
 from agent_inbox.store.keys import user_key, users_key
 
 # Spans users (operator view): every user with pending, running or dead events,
-# held or failed outbox messages or a lease still valid, busiest first. The totals count
+# held or failed outbox messages, a lease still valid or a pause, busiest first. The totals count
 # every such user, not only the page shown; one row (user NULL) if there are none.
 STATUS = f"""
 WITH clock AS (
@@ -46,12 +46,14 @@ WITH clock AS (
     SELECT user_id FROM held
      UNION
     SELECT l.user_id FROM leases l, clock WHERE l.until >= clock.now
+     UNION
+    SELECT l.user_id FROM leases l WHERE l.paused_at IS NOT NULL  -- ix_leases_paused
 ), per_user AS (
     SELECT s.user_id,
            coalesce(c.pending, 0) AS pending, coalesce(c.running, 0) AS running,
            coalesce(c.dead, 0) AS dead, coalesce(h.held, 0) AS outbox_held,
            coalesce(h.failed, 0) AS outbox_failed,
-           nullif(l.holder, '') AS holder, l.gen, l.until
+           nullif(l.holder, '') AS holder, l.gen, l.until, l.paused_at, l.paused_reason
       FROM shown s
       LEFT JOIN counts c ON c.user_id = s.user_id
       LEFT JOIN held h ON h.user_id = s.user_id
@@ -84,11 +86,26 @@ def status(conn: psycopg.Connection[Any], limit: int, now: int | None) -> dict[s
               "dead": r["dead"], "outbox_held": r["outbox_held"],
               "outbox_failed": r["outbox_failed"], "lease_holder": r["holder"],
               "lease_gen": r["gen"], "lease_until": r["until"],
-              "lease_expires_in": None if r["until"] is None else r["until"] - r["now"]}
+              "lease_expires_in": None if r["until"] is None else r["until"] - r["now"],
+              "paused_at": r["paused_at"], "paused_reason": r["paused_reason"]}
              for r in rows if r["user_id"] is not None]
     first = rows[0]
     totals = {name: (first[f"{name}_total"] or 0) if users else 0 for name in _TOTALS}
     return {"now": first["now"], "users": users, "totals": totals}
+
+
+# Whether a user's pending events are held by a pause (operator view).
+USER_PAUSE = ("SELECT paused_at, paused_reason FROM leases"
+              " WHERE bucket = %(bucket)s AND user_id = %(user)s AND paused_at IS NOT NULL")
+FLEET_PAUSE = "SELECT paused_at, reason FROM fleet_pause"
+
+
+def held_by_pause(conn: psycopg.Connection[Any], user: str) -> dict[str, Any]:
+    """{"user": the user's (paused_at, reason) or None, "fleet": the fleet's or None}."""
+    mine = conn.execute(USER_PAUSE, user_key(user)).fetchone()
+    fleet = conn.execute(FLEET_PAUSE).fetchone()
+    return {"user": None if mine is None else tuple(mine),
+            "fleet": None if fleet is None else tuple(fleet)}
 
 
 # One user's events (operator view), newest first, and how many match in all.

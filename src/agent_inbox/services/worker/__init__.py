@@ -194,7 +194,8 @@ class Worker:
         except BaseException:
             self.close()
             raise
-        Listener(url, [notify.WORK], self.waker.wake_one, self.stop).start()
+        Listener(url, [notify.WORK], self.waker.wake_one, self.stop,
+                 on_payload={notify.CANCEL: self.keeper.cancelled}).start()
         if self.horizon_warn:
             horizon.Checker.for_pool(self.inbox.pool, self.stop.event,
                                      warn_after=self.horizon_warn).start()

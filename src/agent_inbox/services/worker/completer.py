@@ -135,6 +135,10 @@ class Completer:
             if ending.kind is EndingKind.LOST:
                 log.warning("lease lost %s: nothing committed", ending.flight.label)
                 metrics.FINISHES.labels("lease_lost").inc()
+            elif ending.kind is EndingKind.CANCELLED:
+                log.warning("run cancelled by an operator %s: nothing committed, its events "
+                            "are pending again", ending.flight.label)
+                metrics.FINISHES.labels("cancelled").inc()
         self.flights.drop([e.flight for e in endings if e not in later])
         for ending in endings:
             if ending not in later:

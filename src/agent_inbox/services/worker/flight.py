@@ -6,7 +6,7 @@ A run's state moves only along MOVES, under the table's guard:
 
     TAKEN -> RUNNING -> ENDED     (its handler returned: a result to commit)
       |         |
-      +---------+----> STOPPED    (lost, timed out, crashed, shut down: released,
+      +---------+----> STOPPED    (lost, cancelled, timed out, crashed, shut down: released,
                                    or given back if it never started)
 
 ENDED and STOPPED are final. A run reaches one of them once (`Flights._settle`,
@@ -32,6 +32,10 @@ from agent_inbox.api.runs import Run
 
 log = logging.getLogger("agent_inbox.worker")
 
+# Seconds after its cancel past which a handler still running is reported as
+# ignoring it (Flights.ignoring).
+IGNORED_AFTER = 5.0
+
 
 class State(enum.StrEnum):
     """Where a run is, from its take to its commit (see MOVES)."""
@@ -39,7 +43,7 @@ class State(enum.StrEnum):
     TAKEN = "taken"      # taken, its handler not started
     RUNNING = "running"  # its handler started
     ENDED = "ended"      # its handler returned: a result to commit
-    STOPPED = "stopped"  # lost, timed out, crashed, shut down: to release or give back
+    STOPPED = "stopped"  # lost, cancelled, timed out, crashed, shut down: to release or give back
 
 
 # The moves a run's state may make, and the only ones.
@@ -64,6 +68,7 @@ class InFlight:
     deadline: float = float("inf")  # monotonic time past which it is stopped
     cancel: Callable[[], None] | None = None  # stops its handler, where that can be done
     reported: bool = False  # its ending went to the completer
+    stopped_at: float | None = None  # monotonic time it was stopped while running
 
     @property
     def label(self) -> str:
@@ -90,6 +95,7 @@ class StopReason(enum.StrEnum):
     TIMED_OUT = "timed out"      # past --run-timeout
     NOT_STARTED = "not started"  # its handler could not be started
     SHUTDOWN = "shutdown"        # the worker is stopping
+    CANCELLED = "cancelled"      # an operator fenced its lease off (store/pauses.py)
 
 
 class EndingKind(enum.StrEnum):
@@ -99,6 +105,7 @@ class EndingKind(enum.StrEnum):
     RELEASE = "release"      # abandoned after it started: attempt counted, error recorded
     GIVE_BACK = "give_back"  # never started: its claim undone
     LOST = "lost"            # nothing: the lease is gone
+    CANCELLED = "cancelled"  # nothing: an operator fenced it off, its events are pending again
 
 
 @dataclass(frozen=True)
@@ -130,6 +137,9 @@ class Flights:
         # Started runs whose ending could not be written (the database was away):
         # their leases expire on their own; never given back as orphans.
         self._unwritten: dict[tuple[str, int], tuple[Run, float]] = {}
+        # Runs cancelled while their handler ran, until the handler returns: one
+        # that does not within IGNORED_AFTER ignored its cancellation (`ignoring`).
+        self._cancelled: dict[tuple[str, int], InFlight] = {}
 
     # --- the table ---------------------------------------------------------------------
 
@@ -185,8 +195,14 @@ class Flights:
     def ended(self, flight: InFlight, outcome, seconds: float) -> None:
         """An executor's `ended`: the run's result (or crash) for the completer,
         unless it was stopped meanwhile."""
-        if self._settle(flight, State.ENDED) is None:
-            return  # stopped meanwhile: its ending is on its way
+        if self._settle(flight, State.ENDED) is None:  # stopped meanwhile: its ending is on its way
+            with self.guard:
+                cancelled = self._cancelled.pop(flight.run.key, None)
+            late = time.monotonic() - (flight.stopped_at or time.monotonic())
+            if cancelled is not None and late > IGNORED_AFTER:
+                log.warning("the handler of a cancelled run returned %.1f s after it was "
+                            "cancelled %s: its result is refused", late, flight.label)
+            return
         metrics.RUN_SECONDS.observe(seconds)
         if isinstance(outcome, Crashed):
             log.warning("quarantine run crashed %s: %s", flight.label, outcome.error)
@@ -205,9 +221,16 @@ class Flights:
         if was is None:
             return False
         flight.ctx.lease_lost.set()
+        if was is State.RUNNING:
+            flight.stopped_at = time.monotonic()
+            if reason is StopReason.CANCELLED:
+                with self.guard:
+                    self._cancelled[flight.run.key] = flight
         if flight.cancel is not None:
             flight.cancel()
-        if reason is StopReason.LOST:
+        if reason is StopReason.CANCELLED:
+            ending = Ending(flight, EndingKind.CANCELLED)
+        elif reason is StopReason.LOST:
             ending = Ending(flight, EndingKind.LOST)
         elif was is State.TAKEN:
             ending = Ending(flight, EndingKind.GIVE_BACK)
@@ -218,6 +241,21 @@ class Flights:
             ending = Ending(flight, EndingKind.RELEASE, at_once=True)
         self._report(ending)
         return True
+
+    def ignoring(self) -> list[tuple[InFlight, float]]:
+        """The cancelled runs whose handler still runs IGNORED_AFTER seconds
+        after the cancel (a blocking call in a thread, a task that catches
+        CancelledError), with how long since: each reported by the keeper.
+        Their results are refused whatever they return (the lease is fenced off)."""
+        now = time.monotonic()
+        with self.guard:
+            return [(f, now - f.stopped_at) for f in self._cancelled.values()
+                    if f.stopped_at is not None and now - f.stopped_at > IGNORED_AFTER]
+
+    def find(self, user: str, gen: int) -> InFlight | None:
+        """The run in flight of `user` in generation `gen`, if this worker has it."""
+        with self.guard:
+            return self._table.get((user, gen))
 
     def _settle(self, flight: InFlight, to: State) -> State | None:
         """Move a run that goes on to its final state (ENDED or STOPPED), which

@@ -1,5 +1,10 @@
 """The keeper: extends every lease in flight in one statement per TTL/4, and
-stops runs whose lease was lost or that ran past `run_timeout`. It also watches
+stops runs whose lease was lost or that ran past `run_timeout`, and those an
+operator cancelled (store/pauses.py): at once on the cancel's notification
+(`cancelled`, from the worker's listener), else at its next look, every
+CANCEL_LOOK seconds (a read of the runs' lease rows: behind a transaction
+pooler, with no LISTEN). It reports cancelled handlers that go on running, and
+logs the fleet's pause as it sees it come and go. It also watches
 what would make the runtime itself unfit to go on: its memory past
 --max-memory (it stops taking work, to be recycled) and an event loop that one
 run blocks past its timeout (it exits, as if that run had crashed).
@@ -8,6 +13,7 @@ It owns the runtime's recycling state and the runs whose blocking of the loop
 was logged.
 """
 
+import json
 import logging
 import os
 import threading
@@ -26,6 +32,8 @@ log = logging.getLogger("agent_inbox.worker")
 
 # How often the keeper looks for runs past their deadline, at most.
 WATCH_INTERVAL = 1.0
+# How often it reads its runs' lease rows for cancels, and the fleet's pause.
+CANCEL_LOOK = 2.0
 
 
 class Keeper:
@@ -44,22 +52,78 @@ class Keeper:
         # that run had crashed (replaceable in tests).
         self._blockers: weakref.WeakSet[InFlight] = weakref.WeakSet()
         self.exit: Callable[[int], None] = os._exit
+        self._ignoring_reported: weakref.WeakSet[InFlight] = weakref.WeakSet()
+        self._fleet_paused: dict | None = None  # the fleet's pause as last seen
 
     def serve(self, done: threading.Event) -> None:
         """Look for runs past their deadline and at the memory every
         WATCH_INTERVAL at most, renew the leases every TTL/4: until `done`."""
         renew_every = max(0.2, self.inbox.settings.lease_ttl / 4)
         watch_every = min(WATCH_INTERVAL, renew_every, self.run_timeout / 4)
+        watch_every = min(watch_every, CANCEL_LOOK)
         next_renewal = time.monotonic() + renew_every
+        next_look = time.monotonic() + CANCEL_LOOK
         while not done.wait(watch_every):
             try:
                 self.time_out()
                 self.check_memory()
+                self.report_ignoring()
                 if time.monotonic() >= next_renewal:
                     next_renewal = time.monotonic() + renew_every
                     self.renew()
+                if time.monotonic() >= next_look:
+                    next_look = time.monotonic() + CANCEL_LOOK
+                    self.look_for_cancels()
             except Exception:
                 log.exception("keeper: unexpected error; going on")
+
+    def cancelled(self, payload: str) -> None:
+        """A cancel's notification (notify.CANCEL: {"user", "gen"}, sent at its
+        commit): stop that run at once if it is one of this worker's."""
+        try:
+            named = json.loads(payload)
+            flight = self.flights.find(str(named["user"]), int(named["gen"]))
+        except (ValueError, KeyError, TypeError):
+            log.warning("a cancel notification this worker cannot read: %r", payload[:200])
+            return
+        if flight is not None:
+            self._stop_cancelled(flight)
+
+    def look_for_cancels(self) -> None:
+        """Stop the runs whose lease no longer names them (an operator's
+        cancel whose notification did not come, or a takeover), and log a
+        change of the fleet's pause."""
+        flights = self.flights.where(*GOING)
+        try:
+            gone, fleet = self.inbox.runs.fenced_off([f.run for f in flights])
+        except errors.DatabaseUnavailable as exc:
+            log.warning("look for cancelled runs failed (%s)", exc)
+            return
+        for flight in flights:
+            if flight.run.key in gone:
+                self._stop_cancelled(flight)
+        if (fleet is None) != (self._fleet_paused is None):
+            if fleet is not None:
+                log.warning("the fleet is paused (by %s, reason: %s): no run starts until "
+                            "`agent-inbox resume --all`", fleet["actor"], fleet["reason"] or "none")
+            else:
+                log.warning("the fleet is resumed: runs start again")
+        self._fleet_paused = fleet
+
+    def _stop_cancelled(self, flight: InFlight) -> None:
+        if self.flights.stop(flight, StopReason.CANCELLED):
+            log.warning("run cancelled %s: its handler is stopped", flight.label)
+            metrics.RUNS_CANCELLED.inc()
+
+    def report_ignoring(self) -> None:
+        """Report, once each, the cancelled runs whose handler still runs."""
+        for flight, seconds in self.flights.ignoring():
+            if flight not in self._ignoring_reported:
+                self._ignoring_reported.add(flight)
+                metrics.CANCELS_IGNORED.inc()
+                log.warning("the handler of a cancelled run still runs %.0f s after the cancel "
+                            "%s (a blocking call in a thread cannot be stopped): whatever it "
+                            "returns is refused, its lease is fenced off", seconds, flight.label)
 
     def renew(self) -> None:
         """Extend every lease in flight in one statement; stop the runs whose
