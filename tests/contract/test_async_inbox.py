@@ -217,3 +217,26 @@ def test_a_running_worker_runs_what_the_async_application_committed(
         serving.join(timeout=30)
         worker.close()
     assert not serving.is_alive()
+
+
+def test_pause_resume_and_the_fleets_brake_from_asyncio(connect_async, inbox):
+    inbox.ingest("alice", "chat", "a-1", {})
+    inbox.ingest("bob", "chat", "b-1", {})
+
+    async def stop_and_go():
+        async with await connect_async() as ainbox:
+            paused = await ainbox.pause("alice", actor="app", reason="abuse")
+            fleet = await ainbox.pause_fleet(actor="app", cancel=True)
+            state = await ainbox.pauses()
+            await ainbox.resume_fleet(actor="app")
+            return paused, fleet, state
+    paused, fleet, state = run(stop_and_go())
+    assert (paused["already"], fleet["already"], fleet["cancelled"]) == (False, False, [])
+    assert state["fleet"]["actor"] == "app" and [u["user"] for u in state["users"]] == ["alice"]
+    assert [run.user for run in inbox.runs.take_runs("H", users=5)] == ["bob"]
+
+    async def go():
+        async with await connect_async() as ainbox:
+            return await ainbox.resume("alice", actor="app")
+    assert run(go()) == {"user": "alice", "resumed": True}
+    assert [run.user for run in inbox.runs.take_runs("H", users=5)] == ["alice"]

@@ -131,3 +131,28 @@ class AsyncInbox:
         """Inbox.answer_approval: the answer that stands ('yes', 'no',
         'expired', or 'unknown' for a request never made)."""
         return await self._run(self._calls.answer_approval(user, request_id, answer, now=now))
+
+    # --- stopping an agent (Inbox.pause and the others say what each does) ----
+
+    async def pause(self, user: str, *, actor: str, reason: str | None = None,
+                    cancel: bool = False, now: int | None = None) -> dict:
+        return await self._run(self._calls.pause(user, actor=actor, reason=reason,
+                                                 cancel=cancel, now=now))
+
+    async def resume(self, user: str, *, actor: str, now: int | None = None) -> dict:
+        return await self._run(self._calls.resume(user, actor=actor, now=now))
+
+    async def cancel(self, user: str, *, actor: str, reason: str | None = None,
+                     now: int | None = None) -> dict:
+        return await self._run(self._calls.cancel(user, actor=actor, reason=reason, now=now))
+
+    async def pause_fleet(self, *, actor: str, reason: str | None = None, cancel: bool = False,
+                          now: int | None = None) -> dict:
+        return await self._run(self._calls.pause_fleet(actor=actor, reason=reason,
+                                                       cancel=cancel, now=now))
+
+    async def resume_fleet(self, *, actor: str, now: int | None = None) -> dict:
+        return await self._run(self._calls.resume_fleet(actor=actor, now=now))
+
+    async def pauses(self, *, limit: int = 100) -> dict:
+        return await self._run(self._calls.pauses(limit=limit))

@@ -168,23 +168,20 @@ class Calls:
         now = validate.optional_epoch("now", now)
         return Call(lambda: pauses.cancel(user, actor, reason, now), True)
 
-    def pause_fleet(self, *, actor: str, reason: str | None = None,
+    def pause_fleet(self, *, actor: str, reason: str | None = None, cancel: bool = False,
                     now: int | None = None) -> Call[dict[str, Any]]:
-        """Pause the fleet: no new run anywhere, every outbox held."""
+        """Pause the fleet: no new run anywhere, every outbox held; with
+        `cancel`, every run in flight fenced off in the same transaction."""
         actor = validate.text("actor", actor)
         reason = pauses.check_reason(reason)
+        cancel = validate.boolean("cancel", cancel)
         now = validate.optional_epoch("now", now)
-        return Call(lambda: pauses.pause_fleet(actor, reason, now), True)
+        return Call(lambda: pauses.pause_fleet(actor, reason, cancel, now), True)
 
     def resume_fleet(self, *, actor: str, now: int | None = None) -> Call[dict[str, Any]]:
         actor = validate.text("actor", actor)
         now = validate.optional_epoch("now", now)
         return Call(lambda: pauses.resume_fleet(actor, now), True)
-
-    def held(self, *, now: int | None = None) -> Call[list[str]]:
-        """The users a run holds the lease of (what the fleet's cancel cancels)."""
-        now = validate.optional_epoch("now", now)
-        return Call(lambda: pauses.held(now), False)
 
     def pauses(self, *, limit: int = 100) -> Call[dict[str, Any]]:
         """{"fleet": the fleet's pause or None, "users": the paused users

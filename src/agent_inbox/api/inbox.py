@@ -274,17 +274,11 @@ class Inbox:
                     now: int | None = None) -> dict:
         """The emergency brake: no take anywhere starts a run and no
         dispatcher sends, from the commit on (every take reads the pause),
-        until `resume_fleet`. Runs in flight end, or with `cancel` are each
-        cancelled (one transaction a user, after the pause committed).
+        until `resume_fleet`. Runs in flight end, or with `cancel` are all
+        cancelled in the same transaction (each as `cancel` does).
         {"paused_at", "actor", "reason", "already", "cancelled": [users]}."""
-        state = self._run(self._calls.pause_fleet(actor=actor, reason=reason, now=now))
-        cancelled = []
-        if validate.boolean("cancel", cancel):
-            for user in self._run(self._calls.held(now=now)):
-                if self._run(self._calls.cancel(user, actor=actor, reason=reason,
-                                                now=now))["cancelled"]:
-                    cancelled.append(user)
-        return {**state, "cancelled": cancelled}
+        return self._run(self._calls.pause_fleet(actor=actor, reason=reason, cancel=cancel,
+                                                 now=now))
 
     def resume_fleet(self, *, actor: str, now: int | None = None) -> dict:
         """Lift the fleet's pause. {"resumed"}: False if it was not paused."""

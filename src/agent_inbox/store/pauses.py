@@ -172,13 +172,19 @@ def cancel(user: str, actor: str, reason: str | None, now: int | None) -> Querie
     """Fence off the run holding `user`'s lease without pausing it: its events
     are taken again at once (unless it is paused). {"user", "cancelled"}:
     None if no run held the lease."""
-    reason = check_reason(reason)
+    return {"user": user, "cancelled": (yield from _cancel(user, actor, check_reason(reason),
+                                                           now))}
+
+
+def _cancel(user: str, actor: str, reason: str | None,
+            now: int | None) -> Queries[dict[str, Any] | None]:
+    """`cancel`'s work: its lease locked, the run fenced off, a wake, the record."""
     *_, clock = yield from _locked(user, now)
     cancelled = yield from _fence_off(user, clock)
     if cancelled:
         yield Query(WAKE, user_key(user, now=clock))
         yield from _record(user, clock, actor, "cancel", {"reason": reason, **cancelled})
-    return {"user": user, "cancelled": cancelled}
+    return cancelled
 
 
 def resume(user: str, actor: str, now: int | None) -> Queries[dict[str, Any]]:
@@ -217,15 +223,24 @@ def fleet() -> Queries[dict[str, Any] | None]:
     return dict(zip(("paused_at", "actor", "reason"), rows[0])) if rows else None
 
 
-def pause_fleet(actor: str, reason: str | None, now: int | None) -> Queries[dict[str, Any]]:
-    """Pause the fleet: {"paused_at", "actor", "reason", "already"}."""
+def pause_fleet(actor: str, reason: str | None, cancel: bool,
+                now: int | None) -> Queries[dict[str, Any]]:
+    """Pause the fleet, and with `cancel` fence off every run in flight, in
+    the caller's transaction (the lease rows locked in user order, as
+    LOCK_MANY locks them): {"paused_at", "actor", "reason", "already",
+    "cancelled": [users]}."""
     reason = check_reason(reason)
     rows = yield Query(PAUSE_FLEET, {"actor": actor, "reason": reason, "now": now})
-    if not rows:
-        state = yield from fleet()
-        return {**(state or {}), "already": True}
-    yield from _record(FLEET, rows[0][0], actor, "fleet_pause", {"reason": reason})
-    return {"paused_at": rows[0][0], "actor": actor, "reason": reason, "already": False}
+    if rows:
+        state = {"paused_at": rows[0][0], "actor": actor, "reason": reason, "already": False}
+        yield from _record(FLEET, rows[0][0], actor, "fleet_pause", {"reason": reason})
+    else:
+        state = {**((yield from fleet()) or {}), "already": True}
+    cancelled = []
+    for user in ((yield from held(now)) if cancel else []):
+        if (yield from _cancel(user, actor, reason, now)):
+            cancelled.append(user)
+    return {**state, "cancelled": cancelled}
 
 
 def resume_fleet(actor: str, now: int | None) -> Queries[dict[str, Any]]:
