@@ -32,3 +32,32 @@ def test_the_fleets_brake_on_citus(database_url, inbox, services):
     assert cli(database_url, "resume", "--all")[0] == 0
     wait_until(lambda: all(statuses(inbox, user) == ["done"] for user in users),
                "every run after resume", 30)
+
+
+def test_services_refuse_a_take_function_of_another_version(database_url, inbox, services):
+    """An older release's take (one that does not read the pause) left by its
+    `migrate --citus` would take paused users: services refuse to start on it,
+    saying how to repair it, and `migrate --citus` does."""
+    import psycopg
+
+    from agent_inbox.backend.citus import functions
+    from agent_inbox.errors import RunPathDamaged
+    from agent_inbox.schema import revision
+
+    older = functions.TAKE.replace("l.paused_at IS NULL AND ", "")
+    assert older != functions.TAKE
+    with psycopg.connect(database_url, autocommit=True) as conn:
+        conn.execute(older)
+    try:
+        with pytest.raises(RunPathDamaged, match="migrate --citus"):
+            revision.require_head(database_url)
+        refused = services(*worker(database_url, "sleeps_unless"))
+        assert refused.process.wait(timeout=60) == 2
+        wait_until(lambda: refused.said("agent-inbox migrate --citus"), "the refusal's reason")
+        assert not refused.said("Traceback")
+        code, out = cli(database_url, "migrate", "--citus")
+        assert code == 0, out
+        revision.require_head(database_url)
+    finally:
+        with psycopg.connect(database_url, autocommit=True) as conn:
+            functions.install(conn)

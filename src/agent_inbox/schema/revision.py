@@ -79,10 +79,11 @@ def require_head(url: str, *, pooler: str = "none") -> None:
                 "this Citus database lacks the run path's functions of this agent-inbox: "
                 "run `agent-inbox migrate --citus` first")
         if functions == "other":
-            log.warning("this Citus database's run path functions are not this agent-inbox's "
-                        "(another version's `migrate --citus`): going on with them; run "
-                        "`agent-inbox migrate --citus` to replace them (those of releases "
-                        "before plan_cache_mode grow every worker node session's memory)")
+            raise errors.RunPathDamaged(
+                "the run path's state is damaged: this Citus database's run path functions "
+                "are not this agent-inbox's (another version's `migrate --citus`), and a take "
+                "of another version breaks this one's rules (an older one takes paused users): "
+                "run `agent-inbox migrate --citus` to replace them")
         problem = _read(url, pooler, _run_path_damage)
         if problem is not None:
             raise errors.RunPathDamaged(f"the run path's state is damaged: {problem}")
