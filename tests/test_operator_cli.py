@@ -114,7 +114,7 @@ def test_status_counts_match_the_inbox(capsys, database_url, world):
     assert code == 0 and err == ""
     lines = out.splitlines()
     assert lines[0].split() == ["user", "pending", "running", "dead", "outbox", "held", "outbox",
-                                "failed", "lease", "holder", "gen", "lease", "expires"]
+                                "failed", "lease", "holder", "gen", "lease", "expires", "paused"]
     assert lines[3].split()[:8] == ["bob", "1", "1", "0", "0", "0", "w-bob", "1"]
     assert "in 1m 50s (1970-01-12T13:48:40Z)" in lines[3]
     assert lines[-1] == "total: 4 users, 4 pending, 1 running, 3 dead, 1 outbox held, 0 outbox failed"
