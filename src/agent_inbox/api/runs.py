@@ -103,15 +103,15 @@ class Runs:
         return self._path.renew(holder, [run.key for run in runs], self._settings.lease_ttl,
                                 now)
 
-    def fenced_off(self, runs: list[Run]) -> tuple[set[tuple[str, int]], dict | None]:
+    def fenced_off(self, runs: list[Run]) -> tuple[dict[tuple[str, int], str], dict | None]:
         """What a worker looks at between renewals (services/worker/keeper.py):
         the (user, gen) keys of `runs` (one holder's) whose lease no longer
-        names them (cancelled by an operator, or taken over), and the fleet's
-        pause (store/pauses.py; None while it runs). Reads only."""
+        names them, each "cancelled" (by an operator) or "lost" (taken over),
+        and the fleet's pause (store/pauses.py; None while it runs). Reads only."""
         with db.connection(self._pool) as conn:
             fleet = db.run(conn, pauses.fleet())
             if not runs:
-                return set(), fleet
+                return {}, fleet
             return db.run(conn, pauses.fenced_off(_holder_of(runs), [r.key for r in runs])), fleet
 
     def release(self, user: str, holder: str, gen: int, *, now: int | None = None) -> bool:

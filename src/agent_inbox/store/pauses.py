@@ -288,12 +288,18 @@ SELECT user_id, holder, gen FROM leases
 """
 
 
-def fenced_off(holder: str, keys: list[tuple[str, int]]) -> Queries[set[tuple[str, int]]]:
+def fenced_off(holder: str,
+               keys: list[tuple[str, int]]) -> Queries[dict[tuple[str, int], str]]:
     """Of the runs `keys` ((user, gen)) that `holder` runs, those whose lease
-    no longer names them (cancelled, or lost to a takeover): their finish
-    would be refused."""
+    no longer names them, whose finish would be refused: "cancelled" where a
+    cancel left it (FENCE_OFF: held by no one), else "lost" (taken over)."""
     if not keys:
-        return set()
+        return {}
     rows = yield Query(LEASES_OF, users_key(sorted({user for user, _ in keys})))
-    now_named = {(user, gen) for user, row_holder, gen in rows if row_holder == holder}
-    return {key for key in keys if key not in now_named}
+    now = {user: (row_holder, gen) for user, row_holder, gen in rows}
+    gone = {}
+    for user, gen in keys:
+        row_holder, row_gen = now.get(user, ("", None))
+        if (row_holder, row_gen) != (holder, gen):
+            gone[(user, gen)] = "cancelled" if row_holder == "" else "lost"
+    return gone

@@ -100,8 +100,11 @@ class Keeper:
             log.warning("look for cancelled runs failed (%s)", exc)
             return
         for flight in flights:
-            if flight.run.key in gone:
+            if gone.get(flight.run.key) == "cancelled":
                 self._stop_cancelled(flight)
+            elif gone.get(flight.run.key) == "lost" and self.flights.stop(flight, StopReason.LOST):
+                log.warning("lease lost %s (taken over)", flight.label)
+                metrics.RENEWALS_FAILED.inc()
         if (fleet is None) != (self._fleet_paused is None):
             if fleet is not None:
                 log.warning("the fleet is paused (by %s, reason: %s): no run starts until "
