@@ -10,7 +10,7 @@ from agent_inbox import db, errors, tracing, validate
 from agent_inbox.api.settings import Settings
 from agent_inbox.backend.path import RunPath
 from agent_inbox.records import Batch, Failure
-from agent_inbox.store import outbox
+from agent_inbox.store import outbox, pauses
 
 
 # Longest failure text recorded (a channel's error may quote a peer's whole body).
@@ -73,13 +73,16 @@ class Delivery:
         so a channel can drop the repeat. At-least-once (the default): send, then
         mark sent; a crash in between sends the batch again. At-most-once: mark,
         then send; a crash in between loses the batch. A user another dispatcher
-        is sending to gets 0 at once. Unlike the dispatcher service, this sends a
+        is sending to gets 0 at once, and so does every user while the fleet is
+        paused (store/pauses.py). Unlike the dispatcher service, this sends a
         batch backing off after a failure at once: the caller asked."""
         user = validate.text("user", user)
         now = validate.optional_epoch("now", now)
         if not callable(deliver):
             raise errors.InvalidInput("deliver", deliver, "must be callable")
         with db.transaction(self._pool) as conn:
+            if db.run(conn, pauses.fleet()) is not None:
+                return 0
             batches = self._claim(conn, outbox.lock_user(conn, user), now)
         if not batches:
             return 0

@@ -69,15 +69,17 @@ SELECT user_id FROM deliveries WHERE bucket = %(bucket)s AND user_id = %(user)s
 #   idle       nothing held: not due.
 #   paused     the user is paused (store/pauses.py): nothing sent, not due
 #              until resume makes it due; a batch being sent now (in_flight:
-#              handed to the channel) is not recalled;
-#   fleet_held the fleet is paused (a LOCK_USER claim): nothing sent, due as it was.
+#              handed to the channel) is not recalled.
+# (The fleet's pause is read before: LOCK_DUE, and the API's dispatch. Read
+# here, it would make Citus plan the claim in steps over every shard.)
 CLAIM = f"""
 WITH clock AS (
-    SELECT {NOW} AS now, {pauses.FLEET_RUNS} AS fleet_runs
+    SELECT {NOW} AS now
 ), mine AS (
-    SELECT d.*, clock.now, clock.fleet_runs,
+    SELECT d.*, clock.now,
            EXISTS (SELECT 1 FROM leases l
-                    WHERE l.bucket = d.bucket AND l.user_id = d.user_id
+                    WHERE l.bucket = ANY(%(buckets)s::int[])  -- by constant: one shard on Citus
+                      AND l.bucket = d.bucket AND l.user_id = d.user_id
                       AND NOT {pauses.NOT_PAUSED}) AS paused
       FROM deliveries d, clock
      WHERE d.bucket = ANY(%(buckets)s::int[]) AND d.user_id = ANY(%(users)s::text[])
@@ -100,7 +102,6 @@ WITH clock AS (
 ), verdict AS (
     SELECT l.*, CASE
            WHEN l.batch IS NOT NULL AND l.sending_until > l.now THEN 'in_flight'
-           WHEN NOT l.fleet_runs THEN 'fleet_held'
            WHEN l.paused THEN 'paused'
            WHEN l.batch IS NOT NULL AND l.written IS NOT NULL THEN 'resend'
            WHEN l.first_held IS NULL THEN 'idle'
@@ -118,14 +119,13 @@ WITH clock AS (
     UPDATE deliveries d
        SET batch = CASE WHEN v.verdict = 'send' THEN v.first_held
                         WHEN v.verdict = 'resend' THEN v.written
-                        WHEN v.verdict IN ('in_flight', 'paused', 'fleet_held') THEN d.batch END,
-           sending_until = CASE WHEN v.verdict IN ('in_flight', 'paused', 'fleet_held')
+                        WHEN v.verdict IN ('in_flight', 'paused') THEN d.batch END,
+           sending_until = CASE WHEN v.verdict IN ('in_flight', 'paused')
                                 THEN d.sending_until
                                 WHEN v.verdict IN ('send', 'resend')
                                 THEN v.now + %(send_timeout)s END,
            send_token = d.send_token + (v.verdict IN ('send', 'resend'))::int,
            due_at = CASE WHEN v.verdict IN ('idle', 'paused') THEN NULL
-                         WHEN v.verdict = 'fleet_held' THEN d.due_at
                          WHEN v.verdict = 'paced' THEN d.last_sent_at + %(gap)s
                          WHEN v.verdict = 'in_flight' THEN d.sending_until
                          ELSE v.now + %(send_timeout)s END

@@ -55,8 +55,8 @@ from agent_inbox import metrics
 log = logging.getLogger("agent_inbox.horizon")
 
 # The inbox's tables (schema.metadata's, checked by a test), for their dead tuples.
-TABLES = ("console_sessions", "default_policies", "deliveries", "events", "leases", "limits",
-          "memory", "operator_actions", "outbox", "permit_decisions", "policies", "run_stats",
+TABLES = ("console_sessions", "default_policies", "deliveries", "events", "fleet_pause", "leases",
+          "limits", "memory", "operator_actions", "outbox", "permit_decisions", "policies", "run_stats",
           "steps", "timers", "wakes", "wakes_ring")
 
 # seconds between checks (AGENT_INBOX_HORIZON_INTERVAL)
