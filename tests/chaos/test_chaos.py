@@ -7,7 +7,9 @@ batches), the rest streamed in while faults are injected, among them 10 poison
 events (they kill whatever process runs them); recurring timers fire
 throughout. Workers are SIGKILLed and restarted, one is SIGSTOPped for longer
 than the lease TTL, one host is cut off from the database for longer than the
-TTL, and PostgreSQL is restarted. Before each fault the suite waits, polling
+TTL, PostgreSQL is restarted, an operator pauses a user with its run in flight
+cancelled and resumes it, and pauses the whole fleet (cancelling every run in
+flight) and resumes it (store/pauses.py). Before each fault the suite waits, polling
 the database, for progress (more events done) and for the previous fault's
 retries to have run, so each fault costs a healthy event at most one attempt:
 a healthy event parked dead then means a defect, not bad luck. When the stream
@@ -32,9 +34,10 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import psycopg
 import pytest
 
-from agent_inbox import errors
+from agent_inbox import Inbox, errors
 from agent_inbox.schema import migrate
 from agent_inbox.dev import pgserver
 from tests.chaos import checks
@@ -53,12 +56,13 @@ LANES, WORKERS_PER_LANE, CONCURRENCY = 3, 2, 4
 LEASE_TTL, MAX_ATTEMPTS, RETRY_BACKOFF = 3, 3, 1
 STALL_SECONDS = PARTITION_SECONDS = 5   # each longer than the TTL
 PROGRESS = 100             # done events between two faults (~3 s of the stream)
-BUDGET = 175               # seconds from the first ingest to the last wait (set-up aside)
+BUDGET = 200               # seconds from the first ingest to the last wait (set-up aside)
 MAX_RESTARTS = 60
 # Poison events are faults too: each "poison" step ingests POISON_PER_STEP of them at once,
 # so the workers they kill on their first attempt die within the same second.
-FAULTS = ["kill", "poison", "stall", "poison", "kill", "partition", "poison", "kill",
-          "pg_restart", "poison", "kill", "poison", "kill"]
+FAULTS = ["kill", "poison", "cancel", "stall", "poison", "kill", "partition", "fleet_pause",
+          "poison", "kill", "pg_restart", "cancel", "poison", "kill", "poison", "kill"]
+PAUSE_SECONDS = 2          # how long an operator's pause lasts
 POISON_PER_STEP = 2
 TIMERS = [TimerSpec(user, f"tick-{every}s", every)
           for user, every in [("user-0001", 1), ("user-0002", 1), ("user-0003", 2),
@@ -256,8 +260,44 @@ def fault_poison(rig: Rig, chaos: "Chaos") -> None:
     rig.timeline.log("fault", "poison ingested for " + ", ".join(i.user for i in batch))
 
 
+def fault_cancel(rig: Rig, chaos: "Chaos") -> None:
+    """An operator pauses a user whose run is in flight, cancelling it, and
+    resumes it PAUSE_SECONDS later: the run commits nothing, its events are
+    pending again with the attempt undone, and run after the resume."""
+    with Inbox.connect(rig.url(), pool_size=1) as inbox:
+        running = _running_users(rig)
+        if not running:
+            rig.timeline.log("skip", "cancel skipped: no run in flight")
+            return
+        user = chaos.rng.choice(running)
+        done = inbox.pause(user, actor="chaos", reason="chaos", cancel=True)
+        events = (done["cancelled"] or {}).get("events", [])
+        rig.timeline.log("fault", f"pause --cancel {user}: {len(events)} events pending again")
+        time.sleep(PAUSE_SECONDS)
+        inbox.resume(user, actor="chaos")
+        rig.timeline.log("heal", f"resume {user}")
+
+
+def fault_fleet_pause(rig: Rig, chaos: "Chaos") -> None:
+    """The emergency brake: every run in flight cancelled, no run and no send
+    for PAUSE_SECONDS, then the fleet resumed."""
+    with Inbox.connect(rig.url(), pool_size=1) as inbox:
+        done = inbox.pause_fleet(actor="chaos", reason="chaos", cancel=True)
+        rig.timeline.log("fault", f"pause --all --cancel: {len(done['cancelled'])} runs cancelled")
+        time.sleep(PAUSE_SECONDS)
+        inbox.resume_fleet(actor="chaos")
+        rig.timeline.log("heal", "resume --all")
+
+
+def _running_users(rig: Rig) -> list[str]:
+    with psycopg.connect(rig.url(), autocommit=True) as conn:
+        return [user for user, in conn.execute(
+            "SELECT DISTINCT user_id FROM events WHERE status = 'running' ORDER BY 1")]
+
+
 FAULT_ACTIONS = {"kill": fault_kill, "stall": fault_stall, "partition": fault_partition,
-                 "pg_restart": fault_pg_restart, "poison": fault_poison}
+                 "pg_restart": fault_pg_restart, "poison": fault_poison, "cancel": fault_cancel,
+                 "fleet_pause": fault_fleet_pause}
 
 
 @dataclass
@@ -336,6 +376,8 @@ def summarise(rig: Rig, stats: dict, extra: dict) -> dict:
         "partitions": sum(1 for e in tl.entries if e["detail"].startswith("link") and
                           e["kind"] == "fault"),
         "pg_restarts": sum(1 for e in tl.entries if e["detail"].startswith("PostgreSQL restart")),
+        "cancels": sum(1 for e in tl.entries if e["detail"].startswith("pause --cancel")),
+        "fleet_pauses": sum(1 for e in tl.entries if e["detail"].startswith("pause --all")),
         **stats,
         **worker_log_stats(rig),
         **handler_calls(rig),
