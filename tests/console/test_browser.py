@@ -240,3 +240,47 @@ def test_retry_a_failed_outbox_batch(login, world, database_url):
         assert conn.execute("SELECT failed_at, error FROM outbox").fetchall() == [(None, None)]
         assert conn.execute("SELECT actor, action, outbox_batch FROM operator_actions"
                             ).fetchall() == [("console:ann", "outbox_retry", batch)]
+
+
+def test_pause_and_resume_a_user(login, world, console, database_url):
+    page = login("bea")
+    page.goto(console.url + "/user?u=bob")
+    expect(page.locator("#running")).to_have_text("Not paused: its events run as they come.")
+    form = page.locator("#pause-user")
+    form.locator("input[name=reason]").fill("replies in a loop")
+    form.locator("input[name=cancel]").check()
+    form.locator("button[type=submit]").click()
+    expect(page.locator("#stopped")).to_contain_text("User 'bob' is paused")
+    expect(page.locator("#stopped")).to_contain_text("is cancelled")
+    paused = page.locator("#paused")
+    expect(paused).to_contain_text("by console:bea, reason: replies in a loop")
+    assert page.locator("#pause-user, #cancel-run").count() == 0  # the run is gone
+    assert [e.status for e in world.events("bob")] == ["pending"]
+    with psycopg.connect(database_url) as conn:
+        assert conn.execute("SELECT paused_reason FROM leases WHERE user_id = 'bob'"
+                            ).fetchall() == [("replies in a loop",)]
+    page.locator("#resume button").click()
+    expect(page.locator("#stopped")).to_contain_text("User 'bob' is resumed")
+    expect(page.locator("#running")).to_be_visible()
+    assert page.locator("#paused").count() == 0
+    with psycopg.connect(database_url) as conn:
+        assert conn.execute("SELECT actor, action FROM operator_actions ORDER BY id"
+                            ).fetchall() == [("console:bea", "pause"), ("console:bea", "resume")]
+    assert [r.locator("td").nth(2).inner_text() for r in page.locator("#actions tbody tr").all()
+            ] == ["resume", "pause"]
+
+
+def test_the_fleet_banner_in_the_browser(login, world, console):
+    page = login("ann")
+    assert page.locator("#fleet-paused").count() == 0
+    page.locator("#pause-fleet input[name=reason]").fill("bad deploy")
+    page.locator("#pause-fleet button").click()
+    expect(page.locator("#fleet-paused")).to_contain_text(
+        "The fleet is paused since")
+    expect(page.locator("#fleet-paused")).to_contain_text("by console:ann, reason: bad deploy")
+    page.click("nav >> text=Users")
+    expect(page.locator("#fleet-paused")).to_contain_text("bad deploy")
+    page.click("nav >> text=Overview")
+    page.locator("#resume-fleet button").click()
+    expect(page.locator("#stopped")).to_contain_text("The fleet is resumed")
+    assert page.locator("#fleet-paused").count() == 0

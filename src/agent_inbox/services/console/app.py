@@ -5,13 +5,17 @@ Invariants:
   action without the right for it: a role lacking it gets 403, and its pages
   do not show the button;
 - every action is a POST carrying the session's CSRF token (a bearer request
-  needs none; see auth.py), and a repair is recorded in operator_actions as
-  `console:<name>`, in the transaction that makes it, by the CLI's own SQL;
+  needs none; see auth.py), and a repair, a pause, a resume or a cancel is
+  recorded in operator_actions as `console:<name>`, in the transaction that
+  makes it, by the CLI's own SQL;
 - everything shown is escaped (Jinja2 autoescape; payloads are attacker-made
   webhook bodies), and every response carries a Content-Security-Policy that
   allows only the console's own scripts, styles and images (no inline ones);
 - pages read through api/admin.py (store/views.py and the CLI's views): plain SELECTs,
-  never a lease row lock;
+  never a lease row lock (only a pause, resume or cancel takes one, as the CLI's
+  does: store/pauses.py);
+- every page of a logged-in principal shows the fleet's pause, read once per
+  request with the principal (`signed_in`: one SELECT of the one-row fleet_pause);
 - a bad parameter (a NUL, a number that is not ASCII digits or does not fit a
   bigint) is a 400 naming it, and every answer, a 500 included, carries the
   security headers; user ids in log lines are escaped (ingest/logs.shown).
@@ -61,6 +65,8 @@ MAX_FORM = 256 * 1024  # bytes of a POST body: a page of checkboxes fits many ti
 MAX_PICKS = views.CHUNK  # rows one repair may name
 DEAD_SHOWN = 200
 DECISIONS_SHOWN = 20
+ACTIONS_SHOWN = 20  # a user's newest operator actions, on its page
+PAUSED_SHOWN = 20  # paused users, longest paused first, on the overview
 
 
 @dataclass(frozen=True)
@@ -134,6 +140,16 @@ class Console:
             return principal
         return self.auth.from_session(request.cookies.get(auth.COOKIE))
 
+    def signed_in(self, request: Request) -> Principal | None:
+        """The request's principal (`principal`) and, for one, the fleet's pause
+        in request.state.fleet, which every page's banner shows: never read for
+        a request without a principal (the login page shows no state)."""
+        principal = self.principal(request)
+        if principal is not None:
+            with db.connection(self.inbox.pool) as conn:
+                request.state.fleet = views.fleet_pause(conn)
+        return principal
+
     def throttled(self, request: Request) -> Response | None:
         """429 if this client (or everyone) failed too often lately."""
         wait = self.auth.throttle.wait(_client(request))
@@ -161,7 +177,7 @@ class Console:
             if "authorization" in request.headers and (refused := self.throttled(request)):
                 return refused
             try:
-                principal = await run_in_threadpool(self.principal, request)
+                principal = await run_in_threadpool(self.signed_in, request)
             except errors.DatabaseUnavailable as exc:
                 log.warning("database unavailable: %s", exc)
                 return PlainTextResponse("the database is unavailable", status_code=503)
@@ -196,7 +212,8 @@ class Console:
                status_code: int = 200, headers: dict | None = None, **context) -> Response:
         return self.templates.TemplateResponse(request, name, {
             "me": principal, "csrf": self.auth.csrf_token(principal) if principal else "",
-            "show_payloads": self.shows_payloads(principal), **context},
+            "show_payloads": self.shows_payloads(principal),
+            "fleet": getattr(request.state, "fleet", None), **context},
             status_code=status_code, headers=headers)
 
     def refuse(self, request: Request, principal: Principal, status: int, message: str):
@@ -257,13 +274,15 @@ class Console:
 
     # --- overview ----------------------------------------------------------------
 
-    def overview(self, request, principal, form) -> Response:
+    def overview(self, request, principal, form, notice: str | None = None) -> Response:
         with db.connection(self.inbox.pool) as conn:
             totals = views.overview(conn)
             minutes = views.last_minutes(conn, 60)
             held = horizon.read(conn).as_json()
+            paused, paused_total = views.paused_users(conn, PAUSED_SHOWN)
         return self.render(request, principal, "overview.html", totals=totals,
-                           hour=_sums(minutes), now=totals["now"], horizon=held)
+                           hour=_sums(minutes), now=totals["now"], horizon=held,
+                           paused=paused, paused_total=paused_total, notice=notice)
 
     def overview_json(self, request, principal, form) -> Response:
         with db.connection(self.inbox.pool) as conn:
@@ -292,10 +311,16 @@ class Console:
                            next_after=next_after, now=now)
 
     def user(self, request, principal, form) -> Response:
-        user = _param(request, "u")
+        return self.user_page(request, principal, _param(request, "u"))
+
+    def user_page(self, request, principal, user: str, notice: str | None = None) -> Response:
+        """The user's page (after a pause, resume or cancel, with `notice`
+        saying what it did)."""
         before = _int("before", request.query_params.get("before"), 2**63 - 1)
         with db.connection(self.inbox.pool) as conn:
             lease = views.lease(conn, user)
+            recent = views.actions(conn, user, ACTIONS_SHOWN)
+            paused = views.user_pause(conn, user, recent)
             events = views.timeline(conn, user, before, views.PAGE + 1)
             runs = views.runs(conn, user)
             messages = views.messages(conn, user)
@@ -316,8 +341,69 @@ class Console:
                            messages=messages, timers=timers, timers_total=timers_total,
                            approvals=approvals, steps=recorded, memory=memory,
                            memory_limit=self.inbox.settings.max_memory_bytes, rules=rules,
-                           defaults=defaults, decisions=decisions,
-                           now=lease["now"] if lease else None)
+                           defaults=defaults, decisions=decisions, actions=recent,
+                           paused=paused, notice=notice, now=lease["now"] if lease else None)
+
+    # --- stopping an agent (store/pauses.py, docs/operating/stopping.md) -----------
+
+    def pause(self, request, principal, form) -> Response:
+        """Pause a user, with `cancel` its run in flight too (Inbox.pause:
+        checked, audited as console:<name>); the user's page says what it did."""
+        user, cancel = _one(form, "user") or "", _flag(form, "cancel")
+        done = self.inbox.pause(user, actor=principal.actor, reason=_reason(form), cancel=cancel)
+        log.info("console pause by %s: user=%s cancel=%s already=%s cancelled=%s",
+                 principal.actor, shown(user), cancel, done["already"],
+                 (done["cancelled"] or {}).get("gen"))
+        if done["already"]:
+            notice = (f"User {user!r} was already paused (since {_when(done['paused_at'])}): "
+                      "its pause and reason are kept")
+        else:
+            notice = (f"User {user!r} is paused: no run of it starts and its messages are "
+                      "held until it is resumed")
+        if cancel:
+            notice += f"; {_cancelled(done['cancelled'])}"
+        return self.user_page(request, principal, user, notice=notice + ".")
+
+    def resume(self, request, principal, form) -> Response:
+        user = _one(form, "user") or ""
+        done = self.inbox.resume(user, actor=principal.actor)
+        log.info("console resume by %s: user=%s resumed=%s", principal.actor, shown(user),
+                 done["resumed"])
+        notice = (f"User {user!r} is resumed: its events run and its held messages are sent, "
+                  "in order." if done["resumed"] else
+                  f"User {user!r} was not paused: nothing changed.")
+        return self.user_page(request, principal, user, notice=notice)
+
+    def cancel(self, request, principal, form) -> Response:
+        user = _one(form, "user") or ""
+        done = self.inbox.cancel(user, actor=principal.actor, reason=_reason(form))
+        log.info("console cancel by %s: user=%s cancelled=%s", principal.actor, shown(user),
+                 (done["cancelled"] or {}).get("gen"))
+        return self.user_page(request, principal, user,
+                              notice=f"User {user!r}: {_cancelled(done['cancelled'])}.")
+
+    def pause_fleet(self, request, principal, form) -> Response:
+        """Pause the fleet, with `cancel` every run in flight too
+        (Inbox.pause_fleet); the overview says what it did, under the banner."""
+        cancel = _flag(form, "cancel")
+        done = self.inbox.pause_fleet(actor=principal.actor, reason=_reason(form), cancel=cancel)
+        log.info("console fleet pause by %s: cancel=%s already=%s cancelled=%d",
+                 principal.actor, cancel, done["already"], len(done["cancelled"]))
+        request.state.fleet = {key: done[key] for key in ("paused_at", "actor", "reason")}
+        notice = ("The fleet was already paused: its pause and reason are kept" if done["already"]
+                  else "The fleet is paused: no run starts and no message is sent until it "
+                       "is resumed")
+        if cancel:
+            notice += f"; {len(done['cancelled'])} runs in flight cancelled"
+        return self.overview(request, principal, form, notice=notice + ".")
+
+    def resume_fleet(self, request, principal, form) -> Response:
+        done = self.inbox.resume_fleet(actor=principal.actor)
+        log.info("console fleet resume by %s: resumed=%s", principal.actor, done["resumed"])
+        request.state.fleet = None
+        return self.overview(request, principal, form, notice=(
+            "The fleet is resumed: runs start and messages are sent again." if done["resumed"]
+            else "The fleet was not paused: nothing changed."))
 
     # --- dead events -------------------------------------------------------------
 
@@ -427,7 +513,8 @@ class Console:
 
 _PAST = {"requeue": "requeued", "discard": "discarded", "retry": "retried"}
 _VERBS = {"view": "view the console", "repair": "repair dead events or failed batches",
-          "approve": "answer approval requests", "policy": "set or clear permission rules"}
+          "approve": "answer approval requests", "policy": "set or clear permission rules",
+          "stop": "pause, resume or cancel a user's agent", "fleet": "pause or resume the fleet"}
 
 
 def build_app(inbox, authenticator: Authenticator, settings: Settings = Settings()) -> Starlette:
@@ -443,6 +530,11 @@ def build_app(inbox, authenticator: Authenticator, settings: Settings = Settings
         Route("/overview/chart.svg", page("view", console.chart)),
         Route("/users", page("view", console.users)),
         Route("/user", page("view", console.user)),
+        Route("/user/pause", page("stop", console.pause), methods=["POST"]),
+        Route("/user/resume", page("stop", console.resume), methods=["POST"]),
+        Route("/user/cancel", page("stop", console.cancel), methods=["POST"]),
+        Route("/fleet/pause", page("fleet", console.pause_fleet), methods=["POST"]),
+        Route("/fleet/resume", page("fleet", console.resume_fleet), methods=["POST"]),
         Route("/dead", page("view", console.dead)),
         Route("/dead/confirm", page("repair", console.dead_confirm), methods=["POST"]),
         Route("/dead/apply", page("repair", console.dead_apply), methods=["POST"]),
@@ -484,6 +576,20 @@ def _action(form: dict, allowed: tuple[str, ...], field: str = "action") -> str:
     if value not in allowed:
         raise errors.InvalidInput(field, value, f"must be one of {', '.join(allowed)}")
     return value
+
+
+def _flag(form: dict, name: str) -> bool:
+    """A checkbox: absent (unticked) or 'yes' (ticked)."""
+    value = _one(form, name)
+    if value not in (None, "yes"):
+        raise errors.InvalidInput(name, value, "must be 'yes' or absent")
+    return value == "yes"
+
+
+def _reason(form: dict) -> str | None:
+    """A pause's or cancel's reason, trimmed: None if blank (Inbox checks the
+    rest: at most 1000 bytes, no NUL)."""
+    return (_one(form, "reason") or "").strip() or None
 
 
 def _picked_events(form: dict) -> list[tuple[str, int]]:
@@ -597,6 +703,14 @@ def _param(request: Request, name: str) -> str:
 
 def _shown(user: str | None) -> str:
     return "(defaults)" if user is None else shown(user)
+
+
+def _cancelled(cancelled: dict | None) -> str:
+    """What a cancel did (store/pauses.py's {"gen", "events"}, None: no run)."""
+    if not cancelled:
+        return "no run was in flight, nothing was cancelled"
+    return (f"the run in flight (generation {cancelled['gen']}) is cancelled: nothing it "
+            f"would commit commits, and its {len(cancelled['events'])} events are pending again")
 
 
 # --- presentation ------------------------------------------------------------------

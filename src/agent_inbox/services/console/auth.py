@@ -11,9 +11,11 @@ Tokens: `name:role:token` lines (AGENT_INBOX_CONSOLE_TOKENS, comma-separated, or
 one a line in --tokens-file). Roles, each a set of rights:
 
     viewer    view every page (payloads hidden with --hide-payloads-from-viewers)
-    operator  view, and requeue/discard dead events, retry/discard failed batches
-    approver  view, answer approval requests, and set or clear permission
-              rules (what ctx.permit answers: a user's and the defaults)
+    operator  view, requeue/discard dead events, retry/discard failed batches,
+              pause, resume and cancel a user's agent, pause and resume the fleet
+    approver  view, answer approval requests, set or clear permission rules
+              (what ctx.permit answers: a user's and the defaults), and pause,
+              resume and cancel a user's agent (not the fleet's)
 
 A person with both duties holds `operator+approver`. Tokens are compared in
 constant time (hmac.compare_digest over every configured token).
@@ -53,8 +55,8 @@ from dataclasses import dataclass
 
 from agent_inbox import errors
 
-RIGHTS = {"viewer": {"view"}, "operator": {"view", "repair"},
-          "approver": {"view", "approve", "policy"}}
+RIGHTS = {"viewer": {"view"}, "operator": {"view", "repair", "stop", "fleet"},
+          "approver": {"view", "approve", "policy", "stop"}}
 MIN_TOKEN = 16
 MIN_TOKEN_BITS = 128
 WEAK_TOKEN = (f"has a weak token: a token needs at least {MIN_TOKEN_BITS} bits of entropy, "
