@@ -15,7 +15,7 @@ import psycopg
 from agent_inbox import Inbox
 from agent_inbox.schema import migrate
 from agent_inbox.dev import pgserver
-from tests.runtime.support import scalar, wait_until, worker_args
+from tests.runtime.support import wait_until, worker_args
 from tests.runtime.test_agents import ConnectionSampler
 
 WORKERS, CONCURRENCY, USERS = 10, 300, 4000

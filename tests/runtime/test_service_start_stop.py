@@ -6,7 +6,6 @@ on the Waker, which a signal did not wake)."""
 import signal
 import time
 
-import pytest
 
 from agent_inbox import Result
 
