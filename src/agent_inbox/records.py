@@ -53,6 +53,14 @@ class Event:
     kind: str | None = None
     traceparent: str | None = None
 
+    @property
+    def ran_before(self) -> bool:
+        """Whether an earlier run claimed it, so that run's durable steps may
+        be recorded: a claim before this one counted (attempts > 1), or one
+        whose attempt an operator's cancel undid (store/pauses.py), which
+        leaves CANCELLED as its error."""
+        return self.attempts > 1 or self.error is not None
+
     def __reduce__(self):
         # Pickled as its fields in order (half the cost of the default): every
         # batch goes to a quarantine process this way.

@@ -108,10 +108,34 @@ def test_pause_with_cancel_fences_the_run_off_and_keeps_its_steps(inbox, databas
     inbox.resume("alice", actor="ops", now=T + 4)
     [again] = take(inbox, now=T + 5).values()
     assert again.gen > run.gen and [e.attempts for e in again.events] == [1, 1]
+    # its attempt count undone, the next run still reads the steps the cancelled one kept
     assert [(s.position, s.name) for s in inbox.runs.recorded_steps(
         [(again.user, event_ids)])[0]] == [(1, "llm")]
     assert not again.unfinished  # a cancel is not a crash: no quarantine
     assert actions(database_url, "alice") == ["pause", "resume"]
+    assert all(e.ran_before for e in again.events)
+    calls = []
+    ctx = inbox.context(again)
+    assert ctx.step_sync("llm", lambda: calls.append("llm") or "fresh") == "draft"
+    assert calls == []                          # the completed step is not called again
+
+
+def test_a_holder_that_kept_its_lease_claims_nothing_while_paused(inbox):
+    """The low-level API: acquire, claim_batch, finish keep the lease; a pause
+    between two claims stops the second (and so does the fleet's)."""
+    ingest(inbox, "carol", "c-1")
+    gen = inbox.acquire("carol", "H", now=T)
+    [first] = inbox.claim_batch("carol", "H", gen, now=T)
+    inbox.pause("carol", actor="ops")
+    assert inbox.finish("carol", "H", gen, [first.id], now=T)  # the run in flight ends
+    ingest(inbox, "carol", "c-2")
+    assert inbox.acquire("carol", "H", now=T) == gen            # a renewal, allowed
+    assert inbox.claim_batch("carol", "H", gen, now=T) == []
+    inbox.resume("carol", actor="ops")
+    inbox.pause_fleet(actor="ops")
+    assert inbox.claim_batch("carol", "H", gen, now=T) == []
+    inbox.resume_fleet(actor="ops")
+    assert [e.source_id for e in inbox.claim_batch("carol", "H", gen, now=T)] == ["c-2"]
 
 
 def test_cancel_without_pause_runs_the_events_again_at_once(inbox, database_url):

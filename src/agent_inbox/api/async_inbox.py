@@ -24,6 +24,7 @@ from agent_inbox.api.settings import DEFAULT_MAX_PAYLOAD_BYTES, Settings
 from agent_inbox.backend import path as run_path
 from agent_inbox.backend.citus import layout as citus
 from agent_inbox.records import Approval, Event
+from agent_inbox.store import pauses
 
 __all__ = ["AsyncInbox"]
 
@@ -148,8 +149,13 @@ class AsyncInbox:
 
     async def pause_fleet(self, *, actor: str, reason: str | None = None, cancel: bool = False,
                           now: int | None = None) -> dict:
-        return await self._run(self._calls.pause_fleet(actor=actor, reason=reason,
-                                                       cancel=cancel, now=now))
+        cancel = validate.boolean("cancel", cancel)
+        state = await self._run(self._calls.pause_fleet(actor=actor, reason=reason, now=now))
+        cancelled: list[str] = []
+        for _ in range(pauses.CANCEL_PASSES if cancel else 0):
+            cancelled += await self._run(self._calls.cancel_held(actor=actor, reason=reason,
+                                                                 now=now))
+        return {**state, "cancelled": cancelled}
 
     async def resume_fleet(self, *, actor: str, now: int | None = None) -> dict:
         return await self._run(self._calls.resume_fleet(actor=actor, now=now))

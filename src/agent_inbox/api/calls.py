@@ -168,15 +168,21 @@ class Calls:
         now = validate.optional_epoch("now", now)
         return Call(lambda: pauses.cancel(user, actor, reason, now), True)
 
-    def pause_fleet(self, *, actor: str, reason: str | None = None, cancel: bool = False,
+    def pause_fleet(self, *, actor: str, reason: str | None = None,
                     now: int | None = None) -> Call[dict[str, Any]]:
-        """Pause the fleet: no new run anywhere, every outbox held; with
-        `cancel`, every run in flight fenced off in the same transaction."""
+        """Pause the fleet: no new run anywhere, every outbox held."""
         actor = validate.text("actor", actor)
         reason = pauses.check_reason(reason)
-        cancel = validate.boolean("cancel", cancel)
         now = validate.optional_epoch("now", now)
-        return Call(lambda: pauses.pause_fleet(actor, reason, cancel, now), True)
+        return Call(lambda: pauses.pause_fleet(actor, reason, now), True)
+
+    def cancel_held(self, *, actor: str, reason: str | None = None,
+                    now: int | None = None) -> Call[list[str]]:
+        """One look of the fleet's cancel: every run in flight fenced off."""
+        actor = validate.text("actor", actor)
+        reason = pauses.check_reason(reason)
+        now = validate.optional_epoch("now", now)
+        return Call(lambda: pauses.cancel_held(actor, reason, now), True)
 
     def resume_fleet(self, *, actor: str, now: int | None = None) -> Call[dict[str, Any]]:
         actor = validate.text("actor", actor)

@@ -37,7 +37,7 @@ from agent_inbox.backend import path as run_path
 from agent_inbox.backend.citus import layout as citus
 from agent_inbox.backend.citus import nodes as routing
 from agent_inbox.records import Approval, Event, OutboxMessage, RecordedStep, Timer
-from agent_inbox.store import (admin, approvals, compaction, inbox, lease, outbox, policies,
+from agent_inbox.store import (admin, approvals, compaction, inbox, lease, outbox, pauses, policies,
                                retention, steps, timers)
 from agent_inbox.store import memory as memories
 from agent_inbox.store.keys import user_key
@@ -275,10 +275,15 @@ class Inbox:
         """The emergency brake: no take anywhere starts a run and no
         dispatcher sends, from the commit on (every take reads the pause),
         until `resume_fleet`. Runs in flight end, or with `cancel` are all
-        cancelled in the same transaction (each as `cancel` does).
+        cancelled (each as `cancel` does), in store/pauses.py's
+        CANCEL_PASSES looks after the pause's commit.
         {"paused_at", "actor", "reason", "already", "cancelled": [users]}."""
-        return self._run(self._calls.pause_fleet(actor=actor, reason=reason, cancel=cancel,
-                                                 now=now))
+        cancel = validate.boolean("cancel", cancel)
+        state = self._run(self._calls.pause_fleet(actor=actor, reason=reason, now=now))
+        cancelled: list[str] = []
+        for _ in range(pauses.CANCEL_PASSES if cancel else 0):
+            cancelled += self._run(self._calls.cancel_held(actor=actor, reason=reason, now=now))
+        return {**state, "cancelled": cancelled}
 
     def resume_fleet(self, *, actor: str, now: int | None = None) -> dict:
         """Lift the fleet's pause. {"resumed"}: False if it was not paused."""
@@ -343,8 +348,9 @@ class Inbox:
 
     def claim_batch(self, user: str, holder: str, gen: int, *, now: int | None = None) -> list[Event]:
         """Claim the work for one run (at most max_batch fresh events), ordered
-        by id; empty unless this holder holds the lease in generation `gen`. Call once per run, after the
-        previous run's finish."""
+        by id; empty unless this holder holds the lease in generation `gen`,
+        and while the user or the fleet is paused. Call once per run, after
+        the previous run's finish."""
         user, holder = validate.text("user", user), validate.text("holder", holder)
         gen = validate.positive_int("gen", gen)
         now = validate.optional_epoch("now", now)
@@ -395,7 +401,7 @@ class Inbox:
                       limiter=self.limiter)
         ctx.permits = self._direct_permits(run.user, run.holder, run.gen)
         ctx.steps = RunSteps(run.user, run.holder, run.gen, event_ids,
-                             may_resume=any(e.attempts > 1 for e in run.events),
+                             may_resume=any(e.ran_before for e in run.events),
                              journal=DirectJournal(self.runs, run.user, event_ids),
                              max_result_bytes=limit)
         return ctx

@@ -221,8 +221,10 @@ open AS (
 
 CLAIM_STEPS = claim_steps()
 
-# For a holder that already holds the lease (claim_batch): the fence, then claim.
-# Sent on Citus too (routed to the user's bucket).
+# For a holder that already holds the lease (claim_batch): the fence, then claim,
+# nothing while the user or the fleet is paused (store/pauses.py: a holder that
+# kept its lease across a pause claims nothing new). Sent on Citus too (routed
+# to the user's bucket).
 CLAIM = f"""
 WITH run AS (
     SELECT l.user_id, l.gen, clock.now,
@@ -230,6 +232,7 @@ WITH run AS (
       FROM leases l, (SELECT {NOW} AS now) clock
      WHERE l.bucket = %(bucket)s AND l.user_id = %(user)s
        AND {lease.fenced("%(holder)s", "%(gen)s", "clock.now")}
+       AND {pauses.NOT_PAUSED} AND {pauses.FLEET_RUNS}
 ), {claim_steps(bucket="%(bucket)s")}
 SELECT * FROM claimed ORDER BY id
 """

@@ -84,19 +84,26 @@ UPDATE leases l SET gen = l.gen + 1, holder = '', until = %(now)s - 1
 RETURNING l.gen - 1
 """
 
-# Its events back to pending, the claim's attempt undone.
+# The error a cancelled run's events keep: the next run reads its durable
+# steps by it (records.Event.ran_before), since the attempt count is undone.
+CANCELLED = "cancelled by an operator"
+
+# Its events back to pending, the claim's attempt undone, marked CANCELLED.
 UNCLAIM = f"""
-UPDATE events e SET {lease.undone_claims("false")}
+UPDATE events e SET {lease.undone_claims("false")}, error = '{CANCELLED}'
  WHERE e.bucket = %(bucket)s AND e.user_id = %(user)s AND {lease.claimed_by("%(gen)s")}
 RETURNING e.id
 """
 
 WAKE = "INSERT INTO wakes (bucket, user_id, at) VALUES (%(bucket)s, %(user)s, %(now)s)"
 
-# The user's held messages due now (a dispatcher's claim decides what to send).
+# The user's held messages due now (a dispatcher's claim decides what to send);
+# a batch backing off after a failure keeps its time. No condition on due_at:
+# a dispatcher's claim that locked the row and read the user as paused before
+# this commit writes a NULL when it commits; this waits for it and overwrites it.
 DELIVERIES_DUE = """
-UPDATE deliveries SET due_at = %(now)s
- WHERE bucket = %(bucket)s AND user_id = %(user)s AND (due_at IS NULL OR due_at > %(now)s)
+UPDATE deliveries SET due_at = coalesce(due_at, %(now)s)
+ WHERE bucket = %(bucket)s AND user_id = %(user)s
 """
 
 RECORD = """
@@ -213,6 +220,12 @@ FLEET_STATE = "SELECT paused_at, actor, reason FROM fleet_pause"
 
 RESUME_FLEET = "DELETE FROM fleet_pause RETURNING paused_at, actor, reason"
 
+# How many times the fleet's cancel looks for runs in flight, each in a
+# transaction of its own after the pause's commit: a take whose statement began
+# before that commit does not see the pause and may commit after the first
+# look's snapshot; the second look, after the first one's cancels, finds it.
+CANCEL_PASSES = 2
+
 # The users whose lease a run holds (a scan of leases: the fleet's cancel only).
 HELD = f"SELECT user_id FROM leases WHERE until >= {NOW} ORDER BY user_id"
 
@@ -223,24 +236,28 @@ def fleet() -> Queries[dict[str, Any] | None]:
     return dict(zip(("paused_at", "actor", "reason"), rows[0])) if rows else None
 
 
-def pause_fleet(actor: str, reason: str | None, cancel: bool,
-                now: int | None) -> Queries[dict[str, Any]]:
-    """Pause the fleet, and with `cancel` fence off every run in flight, in
-    the caller's transaction (the lease rows locked in user order, as
-    LOCK_MANY locks them): {"paused_at", "actor", "reason", "already",
-    "cancelled": [users]}."""
+def pause_fleet(actor: str, reason: str | None, now: int | None) -> Queries[dict[str, Any]]:
+    """Pause the fleet: {"paused_at", "actor", "reason", "already"}. Its
+    commit is the brake: every take that begins after it takes nothing.
+    Cancelling the runs in flight is cancel_held's, after that commit."""
     reason = check_reason(reason)
     rows = yield Query(PAUSE_FLEET, {"actor": actor, "reason": reason, "now": now})
-    if rows:
-        state = {"paused_at": rows[0][0], "actor": actor, "reason": reason, "already": False}
-        yield from _record(FLEET, rows[0][0], actor, "fleet_pause", {"reason": reason})
-    else:
-        state = {**((yield from fleet()) or {}), "already": True}
+    if not rows:
+        return {**((yield from fleet()) or {}), "already": True}
+    yield from _record(FLEET, rows[0][0], actor, "fleet_pause", {"reason": reason})
+    return {"paused_at": rows[0][0], "actor": actor, "reason": reason, "already": False}
+
+
+def cancel_held(actor: str, reason: str | None, now: int | None) -> Queries[list[str]]:
+    """Fence off every run in flight as `cancel` does (the lease rows locked in
+    user order, as LOCK_MANY locks them): the users cancelled. Run after the
+    fleet's pause has committed, so that no take it cannot see starts a run
+    after its read of the leases (see CANCEL_PASSES)."""
     cancelled = []
-    for user in ((yield from held(now)) if cancel else []):
-        if (yield from _cancel(user, actor, reason, now)):
+    for user in (yield from held(now)):
+        if (yield from _cancel(user, actor, check_reason(reason), now)):
             cancelled.append(user)
-    return {**state, "cancelled": cancelled}
+    return cancelled
 
 
 def resume_fleet(actor: str, now: int | None) -> Queries[dict[str, Any]]:

@@ -89,7 +89,7 @@ class Producer:
         flight = InFlight(run, ctx, taken_at)
         ctx.permits = worker_permits(self.flights.endings, flight)
         flight.ctx.steps = RunSteps(run.user, run.holder, run.gen, [e.id for e in run.events],
-                                    may_resume=any(e.attempts > 1 for e in run.events),
+                                    may_resume=any(e.ran_before for e in run.events),
                                     journal=WorkerJournal(self.flights.endings, flight),
                                     max_result_bytes=self.inbox.settings.max_payload_bytes)
         flight.ctx.steps.trace = run.trace

@@ -185,7 +185,7 @@ def _serve_runs(reference: str, conn, parent: int) -> None:
             ctx.limiter = PipeLimiter(conn)
         if step_limit is not None:  # a worker's run: steps and permits go to the worker
             ctx.steps = RunSteps(user, holder, gen, [e.id for e in batch],
-                                 may_resume=any(e.attempts > 1 for e in batch),
+                                 may_resume=any(e.ran_before for e in batch),
                                  journal=link, max_result_bytes=step_limit)
             ctx.permits = RunPermits(user, holder, gen, link.permit, link.permit_async)
         conn.send(RUN_STARTED)
