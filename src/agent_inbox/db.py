@@ -24,6 +24,15 @@ tcp_user_timeout a peer that is gone (a host down, a network cut). Behind a
 transaction pooler no session setting is made (the server's statement_timeout
 is then the role's or the pooler's own): the client's bound holds all the same.
 
+Reconnects: a pool replaces each connection it finds broken (a server that died,
+a failover) by itself, first at once, then after 1 s, 2 s, 4 s, never more
+than RECONNECT_CAP seconds apart (`Pool`, `AsyncPool`): psycopg_pool's own
+delay doubles without a cap until its reconnect_timeout, so after a failover
+that took 30 s its next attempt could come 30 s after the new primary was up.
+Capped and jittered, the attempts of a fleet's pools stay spread out (no
+storm). A multi-host URL (`host=a,b target_session_attrs=read-write`) makes
+each attempt find whichever server is the primary now.
+
 JIT compilation is off on a direct connection (`jit = off`, session state like
 statement_timeout). The run path's statements are short, but their estimated
 costs grow with the rows the planner expects (a sub-plan per due wake, LIMITs
@@ -46,6 +55,7 @@ from typing import Any, NamedTuple, TypeVar
 import psycopg
 from psycopg.rows import tuple_row
 from psycopg_pool import AsyncConnectionPool, ConnectionPool, PoolTimeout
+from psycopg_pool.base import AttemptWithBackoff
 
 from agent_inbox import errors
 
@@ -124,6 +134,37 @@ class BoundedAsyncConnection(psycopg.AsyncConnection):
 # psycopg >= 3.3 ends a wait past a timeout; an older one waits unbounded.
 _WAIT_TIMEOUT = getattr(psycopg.errors, "_WaitTimeout", None)
 _CAN_CUT = _WAIT_TIMEOUT is not None
+
+
+RECONNECT_CAP = 5.0
+"""Seconds at most between a pool's attempts to replace a lost connection."""
+
+
+class CappedBackoff(AttemptWithBackoff):
+    """psycopg_pool's reconnect backoff (1 s, doubling, given up after the
+    pool's reconnect_timeout), each delay past RECONNECT_CAP drawn from
+    [RECONNECT_CAP / 2, RECONNECT_CAP] instead."""
+
+    def update_delay(self, now: float) -> None:
+        super().update_delay(now)
+        if self.delay > RECONNECT_CAP:
+            self.delay = RECONNECT_CAP * random.uniform(0.5, 1.0)
+
+
+class Pool(ConnectionPool):
+    """A ConnectionPool whose reconnects back off by CappedBackoff."""
+
+    def _add_connection(self, attempt: AttemptWithBackoff | None, growing: bool = False) -> None:
+        super()._add_connection(attempt or CappedBackoff(timeout=self.reconnect_timeout), growing)
+
+
+class AsyncPool(AsyncConnectionPool):
+    """An AsyncConnectionPool whose reconnects back off by CappedBackoff."""
+
+    async def _add_connection(self, attempt: AttemptWithBackoff | None,
+                              growing: bool = False) -> None:
+        await super()._add_connection(attempt or CappedBackoff(timeout=self.reconnect_timeout),
+                                      growing)
 
 
 @contextlib.contextmanager
@@ -212,7 +253,7 @@ def open_pool(url: str, *, size: int, name: str = "agent-inbox", timeout: float 
     `connect_timeout` seconds and waits at most `statement_timeout` seconds for
     any answer (see the module's docstring; None for either: no bound)."""
     kwargs, bound, settings = _session(name, pooler, statement_timeout, connect_timeout)
-    pool = ConnectionPool(
+    pool = Pool(
         url,
         min_size=1,
         max_size=size,
@@ -249,7 +290,7 @@ async def open_async_pool(url: str, *, size: int, name: str = "agent-inbox",
             await configure(conn)
         conn.bound = bound
 
-    pool = AsyncConnectionPool(url, min_size=1, max_size=size, kwargs=kwargs,
+    pool = AsyncPool(url, min_size=1, max_size=size, kwargs=kwargs,
                                connection_class=BoundedAsyncConnection, name=name,
                                configure=set_up, open=False)
     try:

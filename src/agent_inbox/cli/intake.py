@@ -24,6 +24,11 @@ log = logging.getLogger("agent_inbox.ingest")
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8080
 DEFAULT_POOL_SIZE = 8
+# Seconds a delivery waits for a pooled connection before it is answered 503:
+# less than a sender waits for an answer (GitHub gives up after 10 s), so that
+# while no primary is reachable (a failover) the sender hears 503 and
+# redelivers, rather than timing out on a request held for the pool's 30 s.
+POOL_WAIT = 5.0
 
 
 def add_parser(commands) -> argparse.ArgumentParser:
@@ -121,6 +126,7 @@ def cmd_ingest_server(args: argparse.Namespace) -> int:
     try:
         with open_service_inbox(args, pool_size, max_payload_bytes=max_body) as inbox:
             log.info("secrets loaded from %s", secrets.describe())
+            inbox.pool.timeout = POOL_WAIT  # psycopg_pool's wait in connection()
             app = build_app(inbox, secrets, max_body, tolerance, threads=pool_size)
             server = uvicorn.Server(transport.config(
                 app, limits, host=args.host, port=args.port, log_level=args.log_level.lower(),

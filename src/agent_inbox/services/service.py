@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterator
 import psycopg
 from psycopg import conninfo
 
-from agent_inbox import errors
+from agent_inbox import db, errors
 
 log = logging.getLogger("agent_inbox")
 
@@ -167,8 +167,11 @@ class Listener(threading.Thread):
         delays = backoff_delays()
         while not self.stop.is_set():
             try:
+                # bounded as pooled connections are (db.py): a primary gone
+                # silent ends the LISTEN, and the next connection finds the new one
                 with psycopg.connect(self.url, autocommit=True,
-                                     application_name="agent-inbox-listener") as conn:
+                                     application_name="agent-inbox-listener",
+                                     connect_timeout=ANSWER_TIMEOUT, **db.LIVENESS) as conn:
                     for channel in self.channels:
                         conn.execute(f"LISTEN {channel}")
                     delays = backoff_delays()
