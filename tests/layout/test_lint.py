@@ -22,9 +22,10 @@ def test_the_source_passes_ruff():
 
 
 def test_the_store_passes_mypy_strict():
-    """The SQL layer's signatures are checked ([tool.mypy] in pyproject.toml:
-    store/ under strict): a statement function that returns the wrong shape,
-    or a caller that passes the wrong one, fails here."""
+    """The SQL layer's and the run path's signatures are checked ([tool.mypy]
+    in pyproject.toml: store/ and backend/ under strict): a statement function
+    that returns the wrong shape, a caller that passes the wrong one, or a
+    run path that strays from backend/path.py's RunPath, fails here."""
     mypy = shutil.which("mypy", path=str(Path(sys.executable).parent)) or shutil.which("mypy")
     if mypy is None:
         pytest.skip("mypy is not installed (pip install -e '.[test]' brings it)")

@@ -101,7 +101,7 @@ class RunPath(Statements, Protocol):
         `writes_timers[i]`."""
 
     def in_groups(self, items: Sequence[T], user_of: Callable[[T], str],
-                  work: Callable[[psycopg.Connection[Any], list[T]], Sequence[R]]) -> list[R]:
+                  work: Callable[[psycopg.Connection[Any], list[T]], list[R]]) -> list[R]:
         """`work(conn, group)` (an answer per item of the group, in its order)
         in a transaction per group of `items`: the answers in the items' order.
         PerBucket: a group whose node does not answer is left undone and the

@@ -5,14 +5,21 @@ each new event's lease row and wake. path.py states the interface.
 """
 
 
-from typing import Any
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
 import psycopg
+from psycopg_pool import ConnectionPool
 
 from agent_inbox import db
+from agent_inbox.records import ClaimPolicy, Compaction, StepRecord, Taken
 from agent_inbox.store import (admin, approvals, compaction, inbox, lease, outbox, steps, timers,
                                wake_rings)
 from agent_inbox.store.keys import user_key, users_key
+
+T = TypeVar("T")  # an item of a call about several users (path.py)
+R = TypeVar("R")  # what a piece of work answers (path.py)
 
 class SetBasedStatements:
     """One PostgreSQL server's statements (path.Statements): a call about many
@@ -22,14 +29,15 @@ class SetBasedStatements:
     distributed = False
     one_statement_ingest = True
 
-    def groups(self, items, user_of):
+    def groups(self, items: Sequence[T], user_of: Callable[[T], str]) -> list[list[T]]:
         return [list(items)] if items else []
 
-    def events_inserted(self, users):
+    def events_inserted(self, users: list[str]) -> db.Queries[None]:
         """The events_inserted trigger did it."""
         return (yield from ())
 
-    def answer_approval(self, user, request_id, answer, now):
+    def answer_approval(self, user: str, request_id: str, answer: str,
+                        now: int | None) -> db.Queries[str]:
         return approvals.answer(user, request_id, answer, now)
 
 
@@ -38,31 +46,35 @@ class SetBased(SetBasedStatements):
 
     adopts_held_messages = True
 
-    def __init__(self, pool):
+    def __init__(self, pool: ConnectionPool[Any]) -> None:
         self._pool = pool
         self._rings = wake_rings.Given()  # the wake rings takes name (store/wake_rings.py)
 
-    def close(self):
+    def close(self) -> None:
         pass
 
-    def take(self, holder, users, ttl, policy, now):
+    def take(self, holder: str, users: int, ttl: int, policy: ClaimPolicy,
+             now: int | None) -> tuple[list[Taken], Exception | None]:
         with db.connection(self._pool) as conn:
             return inbox.take_work(conn, holder, ttl, policy, now, self._rings, users,
                                    pipelined=db.pipelined_transaction), None
 
-    def renew(self, holder, keys, ttl, now):
+    def renew(self, holder: str, keys: list[tuple[str, int]], ttl: int,
+              now: int | None) -> set[tuple[str, int]]:
         if not keys:
             return set()
         with db.connection(self._pool) as conn:
             return lease.renew(conn, holder, keys, ttl, now)
 
-    def release(self, conn: psycopg.Connection[Any], holder, keys, now, **options):
+    def release(self, conn: psycopg.Connection[Any], holder: str, keys: list[tuple[str, int]],
+                now: int | None, **options: Any) -> list[str]:
         return lease.release(conn, holder, keys, now, **options) if keys else []
 
-    def held_by(self, conn: psycopg.Connection[Any], holder, now):
+    def held_by(self, conn: psycopg.Connection[Any], holder: str,
+                now: int | None) -> list[tuple[str, int]]:
         return lease.held_by(conn, holder, now)
 
-    def finish_one(self, finish, now):
+    def finish_one(self, finish: inbox.Finish, now: int | None) -> bool:
         with db.connection(self._pool) as conn:
             with db.pipelined_transaction(conn):
                 conn.execute(inbox.GENERIC_PLAN)
@@ -71,7 +83,9 @@ class SetBased(SetBasedStatements):
             [accepted] = inbox.read_verdicts(verdict)
             return accepted
 
-    def finish_many(self, finishes, release, now, writes_timers, write_timers):
+    def finish_many(self, finishes: list[inbox.Finish], release: bool, now: int | None,
+                    writes_timers: list[bool],
+                    write_timers: Callable[[psycopg.Connection[Any], int], None]) -> list[bool]:
         users = sorted(f.user for f in finishes)
         with db.connection(self._pool) as conn:
             if any(writes_timers):
@@ -91,22 +105,24 @@ class SetBased(SetBasedStatements):
                 verdicts = inbox.send_finish(conn, finishes, now, release=release)
             return inbox.read_verdicts(verdicts)
 
-    def in_groups(self, items, user_of, work):
+    def in_groups(self, items: Sequence[T], user_of: Callable[[T], str],
+                  work: Callable[[psycopg.Connection[Any], list[T]], list[R]]) -> list[R]:
         if not items:
             return []
         with db.transaction(self._pool) as conn:
             return work(conn, list(items))
 
-    def record_steps(self, records, now):
-        def record(conn: psycopg.Connection[Any], group):
+    def record_steps(self, records: list[StepRecord], now: int | None) -> list[bool]:
+        def record(conn: psycopg.Connection[Any], group: list[StepRecord]) -> list[bool]:
             kept = steps.record(conn, group, now)
             return [(r.user, r.gen, r.position) in kept for r in group]
         return self.in_groups(records, lambda record: record.user, record)
 
-    def hand_back(self, runs, now):
+    def hand_back(self, runs: list[tuple[str, str, int, bool]], now: int | None) -> list[str]:
         with db.transaction(self._pool) as conn:
             conn.execute(lease.LOCK_MANY, users_key(sorted(user for user, *_ in runs)))
-            answers = []  # one HAND_BACK per holder, all sent before any is read
+            # one HAND_BACK per holder, all sent before any is read
+            answers: list[psycopg.Cursor[Any]] = []
             for holder in sorted({holder for _, holder, _, _ in runs}):
                 mine = [run for run in runs if run[1] == holder]
                 answers.append(conn.execute(lease.HAND_BACK, {
@@ -115,26 +131,31 @@ class SetBased(SetBasedStatements):
                     "unfinished": [unfinished for *_, unfinished in mine], "now": now}))
             return [user for answer in answers for user, in answer.fetchall()]
 
-    def hand_back_orphans(self, holder, known, now):
+    def hand_back_orphans(self, holder: str, known: list[tuple[str, int]],
+                          now: int | None) -> list[str]:
         params = {"holder": holder, "users": [user for user, _ in known],
                   "gens": [gen for _, gen in known], "now": now}
         with db.transaction(self._pool) as conn:
             return [user for user, in conn.execute(lease.HAND_BACK_ORPHANS, params).fetchall()]
 
-    def claim_due_deliveries(self, limit, now, claim):
+    def claim_due_deliveries(self, limit: int, now: int | None,
+                             claim: Callable[[psycopg.Connection[Any], list[str]], list[R]]
+                             ) -> tuple[int, list[R]]:
         with db.transaction(self._pool) as conn:
             locked = outbox.lock_due(conn, limit, now)
             return len(locked), claim(conn, locked)
 
-    def timer_firings(self, conn: psycopg.Connection[Any], now):
-        return [lambda now, limit, fire=fire: fire(conn, now, limit)
+    def timer_firings(self, conn: psycopg.Connection[Any], now: int | None
+                      ) -> list[Callable[[int | None, int], timers.Batch]]:
+        return [functools.partial(fire, conn)  # fire(now, limit): fire(conn, now, limit)
                 for fire in (timers.fire_due_batch, timers.fire_due_cron)]
 
-    def repair_dead(self, conn: psycopg.Connection[Any], pairs, requeue, actor, now):
+    def repair_dead(self, conn: psycopg.Connection[Any], pairs: list[tuple[str, int]],
+                    requeue: bool, actor: str, now: int | None) -> list[dict[str, Any]]:
         if requeue:
             return admin.requeue(conn, pairs, now, actor)
         return admin.discard(conn, pairs, actor)
 
-    def compact(self, **options):
+    def compact(self, **options: Any) -> list[Compaction]:
         with db.translated(), self._pool.connection() as conn:
             return [compaction.compact(conn, table, **options) for table in compaction.TABLES]
