@@ -178,9 +178,11 @@ class Service:
     lane: Lane | None = None
     popen: subprocess.Popen | None = None
     started_at: float = 0.0
+    log_from: int = 0  # where this start's lines begin in log_path
     sessions: set[int] = field(default_factory=set)
 
     def start(self) -> None:
+        self.log_from = self.log_path.stat().st_size if self.log_path.exists() else 0
         with open(self.log_path, "ab") as log:
             self.popen = subprocess.Popen(self.argv, cwd=self.cwd, env=self.env, stdout=log,
                                           stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
@@ -191,6 +193,13 @@ class Service:
     @property
     def pid(self) -> int:
         return self.popen.pid
+
+    def ready(self) -> bool:
+        """Whether this start has logged its `... started:` line: it takes
+        SIGTERM from then on (services/service.py installs its handler first)."""
+        with open(self.log_path, "rb") as log:
+            log.seek(self.log_from)
+            return b" started: " in log.read()
 
     def exit_code(self) -> int | None:
         return self.popen.poll() if self.popen else None

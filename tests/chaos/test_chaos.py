@@ -188,9 +188,18 @@ def stop_service(rig: Rig, name: str, grace: float = 10.0) -> int | None:
 
 
 def stop_everything(rig: Rig, grace: float = 8.0) -> dict[str, int | None]:
-    """SIGTERM every service still running, at once; SIGKILL whatever outlives `grace`."""
+    """SIGTERM every service still running, at once, once each has started (a
+    worker the last fault restarted may still be importing: a SIGTERM then is
+    Python's default, not the service's shutdown); SIGKILL whatever outlives `grace`."""
     rig.supervisor.stop()
     running = [s for s in rig.services if s.exit_code() is None]
+    starting = time.monotonic() + 30
+    while any(s.exit_code() is None and not s.ready() for s in running):
+        if time.monotonic() > starting:
+            rig.timeline.log("stop", "not started after 30 s: " + " ".join(
+                s.name for s in running if not s.ready()))
+            break
+        time.sleep(0.05)  # polling the services' logs
     for service in running:
         service.terminate()
     deadline = time.monotonic() + grace
