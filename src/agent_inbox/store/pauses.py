@@ -253,9 +253,10 @@ def cancel_held(actor: str, reason: str | None, now: int | None) -> Queries[list
     user order, as LOCK_MANY locks them): the users cancelled. Run after the
     fleet's pause has committed, so that no take it cannot see starts a run
     after its read of the leases (see CANCEL_PASSES)."""
+    reason = check_reason(reason)
     cancelled = []
     for user in (yield from held(now)):
-        if (yield from _cancel(user, actor, check_reason(reason), now)):
+        if (yield from _cancel(user, actor, reason, now)):
             cancelled.append(user)
     return cancelled
 
