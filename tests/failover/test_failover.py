@@ -24,17 +24,8 @@ import json
 
 import pytest
 
-from agent_inbox import db, errors
-from agent_inbox.dev import pgserver
+from agent_inbox import db
 from tests.failover import scenario
-
-
-@pytest.fixture(autouse=True)
-def _binaries():
-    try:
-        pgserver.find_bindir()
-    except errors.DatabaseUnavailable as exc:
-        pytest.skip(str(exc))
 
 
 # Connection attempts per second one service process may make while no

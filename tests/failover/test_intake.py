@@ -26,23 +26,13 @@ import urllib.request
 from pathlib import Path
 
 import psycopg
-import pytest
 
-from agent_inbox import errors
 from agent_inbox.cli.intake import POOL_WAIT
 from agent_inbox.dev import pgserver
 from agent_inbox.schema import migrate
 from tests.failover import scenario
 
 SECRET = "failover-linear-secret-Qa71"
-
-
-@pytest.fixture(autouse=True)
-def _binaries():
-    try:
-        pgserver.find_bindir()
-    except errors.DatabaseUnavailable as exc:
-        pytest.skip(str(exc))
 
 
 def post(base: str, key: str, payload: dict, timeout: float = 30):
