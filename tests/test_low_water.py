@@ -131,8 +131,9 @@ def index_reads(conn: psycopg.Connection, index: str) -> int:
 @pytest.mark.parametrize("runs", [300])
 def test_under_a_held_horizon_a_run_reads_past_none_of_its_users_finished_events(
         database_url, make_inbox, runs):
-    """Each of `runs` runs leaves two dead versions of its event in
-    ix_events_open (the claim's, the finish's) that VACUUM cannot remove; the
+    """Each of `runs` runs leaves its event's entry in ix_events_open (the
+    insert's: the claim is a HOT update on it, migration 0014), pointing at
+    versions VACUUM cannot remove; the
     take and the finish of the next run read a handful of entries, while the
     same statements without the mark read them all."""
     inbox = make_inbox(lease_ttl=TTL)
@@ -161,4 +162,4 @@ def test_under_a_held_horizon_a_run_reads_past_none_of_its_users_finished_events
                 conn.rollback()
     (take_kept, finish_kept), (take_all, finish_all) = reads["kept"], reads["forgotten"]
     assert take_kept <= 12 and finish_kept <= 6, reads
-    assert take_all >= 2 * runs and finish_all >= 2 * runs, reads
+    assert take_all >= runs and finish_all >= runs, reads

@@ -85,7 +85,7 @@ def count_ingested(source: str, stored: bool) -> None:
 
 # Spans users (an operator view): open and dead events, counted on scrape.
 DEPTH = """
-SELECT status, count(*) FROM events WHERE status IN ('pending', 'running', 'dead') GROUP BY status
+SELECT status, count(*) FROM events WHERE outcome IS NULL OR outcome = 'dead' GROUP BY status
 """
 # Spans users: unsent outbox messages, held (to be sent) or in a parked batch.
 OUTBOX_DEPTH = """

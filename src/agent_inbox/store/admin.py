@@ -34,7 +34,7 @@ WITH clock AS (
            count(*) FILTER (WHERE status = 'running') AS running,
            count(*) FILTER (WHERE status = 'dead') AS dead
       FROM events
-     WHERE status IN ('pending', 'running', 'dead')
+     WHERE outcome IS NULL OR outcome = 'dead'  -- ix_events_open, ix_events_dead
      GROUP BY user_id
 ), held AS (
     SELECT user_id, count(*) FILTER (WHERE failed_at IS NULL) AS held,
@@ -129,12 +129,12 @@ def events(conn: psycopg.Connection[Any], user: str, status: str | None, limit: 
 
 
 # Spans users unless one is named (operator view): dead events, newest first, and
-# how many there are in all. Reads every event (no index holds dead rows).
+# how many there are in all, through ix_events_dead.
 DEAD = """
 SELECT user_id AS "user", id, source, source_id, attempts, error, created_at, claimed_at,
        count(*) OVER () AS total
   FROM events
- WHERE status = 'dead'
+ WHERE outcome = 'dead'
    AND (%(user)s::text IS NULL OR (bucket = %(bucket)s AND user_id = %(user)s))
  ORDER BY id DESC
  LIMIT %(limit)s

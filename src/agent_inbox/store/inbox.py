@@ -83,8 +83,8 @@ def insert_many(rows: list[tuple[Any, ...]]) -> Queries[list[bool]]:
 
 
 # An event not yet handled: pending, or running under a claim whose run has not
-# finished (ix_events_open's predicate, schema.py).
-OPEN = "e.status IN ('pending', 'running')"
+# finished (ix_events_open's predicate, schema/model.py: its `outcome` is NULL).
+OPEN = "e.outcome IS NULL"
 
 
 def carried(user: str, rings: str | None = wake_rings.LIVE, bucket: str | None = None) -> str:

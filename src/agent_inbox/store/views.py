@@ -34,9 +34,9 @@ WITH clock AS (
     SELECT count(*) FILTER (WHERE status = 'pending') AS pending,
            count(*) FILTER (WHERE status = 'running') AS running,
            min(created_at) FILTER (WHERE status = 'pending') AS oldest_pending
-      FROM events WHERE status IN ('pending', 'running')
+      FROM events WHERE outcome IS NULL
 ), dead AS (
-    SELECT count(*) AS dead FROM events WHERE status = 'dead'
+    SELECT count(*) AS dead FROM events WHERE outcome = 'dead'
 ), unsent AS (
     SELECT count(*) FILTER (WHERE failed_at IS NULL) AS outbox_held,
            count(*) FILTER (WHERE failed_at IS NOT NULL) AS outbox_failed
@@ -76,12 +76,12 @@ PAGE_OPEN = """
 SELECT e.user_id, count(*) FILTER (WHERE e.status = 'pending'),
        count(*) FILTER (WHERE e.status = 'running')
   FROM events e
- WHERE e.user_id = ANY(%(page)s::text[]) AND e.status IN ('pending', 'running')
+ WHERE e.user_id = ANY(%(page)s::text[]) AND e.outcome IS NULL
  GROUP BY e.user_id
 """
 PAGE_DEAD = """
 SELECT e.user_id, count(*) FROM events e
- WHERE e.user_id = ANY(%(page)s::text[]) AND e.status = 'dead'
+ WHERE e.user_id = ANY(%(page)s::text[]) AND e.outcome = 'dead'
  GROUP BY e.user_id
 """
 PAGE_HELD = """
