@@ -22,7 +22,10 @@ Per repetition, the two sides alternating who goes first:
   alone (measured once per side before the repetitions); the statements the
   workers sent (pg_stat_statements of their role on each node: calls,
   planning and execution time); two-phase commits (pg_dist_transaction rows
-  added). All per run (a handler call).
+  added). All per run (a handler call). Citus twice on one database: with
+  the workers' default options (*citus*: `--citus-nodes auto`, which goes
+  straight to the worker nodes when they answer, as here) and with
+  `--citus-nodes coordinator` (*coordinator*).
 * **take at scale**: bench.run's W4 at `--take-users` users (100 with 5
   pending events each, the rest idle with an expired lease and 10 done
   events; on Citus the bulk rows are loaded before `citus.distribute` lays
@@ -58,11 +61,12 @@ from bench.common import (RESULTS, open_count_query, poll_connection, resources,
 from bench.run import FULL, machine
 
 OUT = RESULTS / "w7.json"
-# W1 runs on three sides: one plain server, Citus through the coordinator, and
-# Citus with the workers' take and finish calls sent straight to the worker
-# nodes (`--citus-nodes direct`, on the same cluster and database); the take
-# at scale on the first two.
-SIDES = ("plain", "citus", "direct")
+# W1 runs on three sides: one plain server, Citus with the workers' default
+# options (`--citus-nodes auto`: every node answers here, so their take and
+# finish calls go straight to the worker nodes), and Citus with them through
+# the coordinator (`--citus-nodes coordinator`, on the same cluster and
+# database); the take at scale on the first two.
+SIDES = ("plain", "citus", "coordinator")
 TAKE_SIDES = ("plain", "citus")
 ROLE = "bench_w7_inbox"            # the agent-inbox code's own role on every node
 TAKES_PROFILED = 50
@@ -273,8 +277,8 @@ def start_sides(stack: list) -> dict[str, Side]:
     sides = {"plain": Side("plain", [plain]), "citus": Side("citus", cluster.nodes, cluster=cluster)}
     for side in sides.values():
         side.create_role()
-    sides["direct"] = Side("direct", cluster.nodes, cluster=cluster,   # the role made above
-                           worker_args=["--citus-nodes", "direct"])
+    sides["coordinator"] = Side("coordinator", cluster.nodes, cluster=cluster,   # the role made above
+                                worker_args=["--citus-nodes", "coordinator"])
     return sides
 
 
@@ -309,14 +313,15 @@ def top_statements(window: dict, units: int, limit: int = 8) -> dict:
 def report(results: dict) -> list[str]:
     lines = []
     take_med = {s: median_of(results["take"][s], "median_ms") for s in TAKE_SIDES}
-    lines.append(f"{'':40} {'plain':>8} {'citus':>8} {'direct':>8} {'citus/plain':>12} "
-                 f"{'direct/plain':>12}")
+    lines.append(f"{'':40} {'plain':>8} {'citus':>8} {'coord.':>8} {'citus/plain':>12} "
+                 f"{'coord./plain':>12}")
     for key, title in (("events_per_s", "W1 events/s (wall, median)"),
                        ("events_per_s_drain", "W1 events/s (drain, median)"),
                        ("runs_per_s_drain", "W1 runs/s (drain, median)")):
         med = {s: median_of(results["w1"][s], key) for s in SIDES}
-        lines.append(f"{title:40} {med['plain']:8.0f} {med['citus']:8.0f} {med['direct']:8.0f} "
-                     f"{med['citus'] / med['plain']:12.3f} {med['direct'] / med['plain']:12.3f}")
+        lines.append(f"{title:40} {med['plain']:8.0f} {med['citus']:8.0f} "
+                     f"{med['coordinator']:8.0f} {med['citus'] / med['plain']:12.3f} "
+                     f"{med['coordinator'] / med['plain']:12.3f}")
     lines.append(f"{'take_work ms at %d users (median)' % results['config']['take_users']:40} "
                  f"{take_med['plain']:8.2f} {take_med['citus']:8.2f} {'':8} "
                  f"{take_med['citus'] / take_med['plain']:12.2f}")
@@ -365,14 +370,14 @@ def main(argv=None) -> int:
         sides = start_sides(servers)
         about = machine(sides["plain"].nodes[0].url)
         w1_urls = {name: sides[name].database(f"bench_w7_w1_{name}") for name in TAKE_SIDES}
-        w1_urls["direct"] = w1_urls["citus"]          # the same database, drained afresh
+        w1_urls["coordinator"] = w1_urls["citus"]          # the same database, drained afresh
         for name in TAKE_SIDES:
             side = sides[name]
             side.calibrate_poll(w1_urls[name])
             print(f"{name}: the drain's poll alone costs "
                   + ", ".join(f"{n} {1000 * c:.1f} ms/s" for n, c in
                               zip(side.node_names, side.poll_cpu_per_s)), flush=True)
-        sides["direct"].poll_cpu_per_s = sides["citus"].poll_cpu_per_s   # the same servers
+        sides["coordinator"].poll_cpu_per_s = sides["citus"].poll_cpu_per_s   # the same servers
         take_urls = {}
         for name in TAKE_SIDES:
             t = time.monotonic()
@@ -403,7 +408,7 @@ def main(argv=None) -> int:
                                     "w1", "w4", "take_users")},
         nodes={name: side.node_names for name, side in sides.items()},
         settings={"plain": STATS, "citus": {**pgserver.CITUS_SETTINGS, **CITUS_STATS},
-                  "direct": "citus's, with the W1 workers at --citus-nodes direct",
+                  "coordinator": "citus's, with the W1 workers at --citus-nodes coordinator",
                   "buckets": keys.BUCKETS},
         poll_cpu_per_s={name: dict(zip(side.node_names, side.poll_cpu_per_s))
                         for name, side in sides.items()},

@@ -13,7 +13,7 @@ import psycopg
 import pytest
 
 from agent_inbox.backend.citus import nodes as citus_nodes
-from agent_inbox import db
+from agent_inbox import Inbox, db
 
 
 class OneNode:
@@ -126,3 +126,8 @@ def test_a_call_that_finds_no_connection_free_within_wait_fails_as_the_nodes(
         assert pools.call([0], [], lambda conn: 1) == 1   # given back: free again
     finally:
         pools.close()
+
+
+def test_on_plain_postgresql_the_default_auto_asks_no_node(agent_inbox_database):
+    with Inbox.connect(agent_inbox_database) as inbox:
+        assert inbox.citus_nodes == "none"

@@ -130,7 +130,35 @@ def test_a_stale_finish_sent_straight_to_the_node_is_refused(database_url):
         assert inbox.runs.finish_runs([inbox.runs.outcome(fresh, Result())], now=1_000_100) == [True]
 
 
-@pytest.mark.parametrize("bad, why", [("nodes", "must be one of coordinator, direct"),
+def test_auto_by_default_sends_takes_and_finishes_straight_to_the_nodes(
+        database_url, citus_cluster, caplog):
+    users = users_on_every_node(database_url, 1)
+    with caplog.at_level("INFO", logger="agent_inbox.citus"), \
+            Inbox.connect(database_url, pool_size=1, application_name=APP) as inbox:
+        assert inbox.citus_nodes == "direct"
+        inbox.ingest_many([(user, "chat", "1", {}) for user in users])
+        runs = inbox.runs.take_runs("w", users=10)
+        assert sorted(run.user for run in runs) == sorted(users)
+        assert all("agent_inbox_take(" not in q for q in last_calls(database_url))
+        for node in node_urls(database_url, citus_cluster):
+            assert [q for q in last_calls(node) if "agent_inbox_take(" in q], node
+    ports = sorted(node.port for node in citus_cluster.workers)
+    [said] = [r.getMessage() for r in caplog.records if "go straight to" in r.getMessage()]
+    assert all(f":{port}" in said for port in ports), said
+
+
+def test_auto_behind_a_transaction_pooler_goes_through_the_coordinator_and_says_why(
+        database_url, caplog):
+    with caplog.at_level("INFO", logger="agent_inbox.citus"), \
+            Inbox.connect(database_url, pooler="transaction") as inbox:
+        assert inbox.citus_nodes == "coordinator"
+        inbox.ingest("u1", "chat", "1", {})
+        [run] = inbox.runs.take_runs("w", users=10)
+        assert inbox.runs.finish_runs([inbox.runs.outcome(run, Result())]) == [True]
+    assert any("behind a transaction pooler" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize("bad, why", [("nodes", "must be one of auto, coordinator, direct"),
                                       ("direct", "not a pooler's")])
 def test_bad_citus_nodes_are_refused_before_connecting(bad, why):
     pooler = "transaction" if bad == "direct" else "none"

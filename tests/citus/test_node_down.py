@@ -131,6 +131,33 @@ def test_the_api_serves_the_nodes_that_answer_and_says_what_it_could_not(url, cl
                             ).fetchall() == [("done", 1, 6)]
 
 
+def test_auto_goes_through_the_coordinator_when_a_node_is_down_at_start_and_says_why(
+        url, cluster, caplog):
+    """The default, `citus_nodes="auto"`, asks every node when the Inbox
+    opens: with the second node stopped, the calls go through the
+    coordinator (which serves the first node's users), and a warning names
+    the node; with both up again, a new Inbox goes straight to the nodes."""
+    live, down, _ = users_by_node(url, cluster, 1)
+    cluster.workers[1].stop(remove=False)
+    with caplog.at_level("INFO", logger="agent_inbox.citus"):
+        with Inbox.connect(url, lease_ttl=60) as inbox:
+            assert inbox.citus_nodes == "coordinator"
+            inbox.ingest(live[0], "chat", "1", {})
+            [run] = inbox.runs.take_runs("holder", users=10)
+            assert run.user == live[0]
+            assert inbox.runs.finish_runs([inbox.runs.outcome(run, Result())]) == [True]
+    [warning] = [r.getMessage() for r in caplog.records
+                 if r.levelname == "WARNING" and "from here" in r.getMessage()]
+    assert f":{cluster.workers[1].port} does not answer from here" in warning
+    assert "go through the coordinator" in warning
+    cluster.workers[1].start()
+    caplog.clear()
+    with caplog.at_level("INFO", logger="agent_inbox.citus"):
+        with Inbox.connect(url) as inbox:
+            assert inbox.citus_nodes == "direct"
+    assert any("go straight to the 2 worker nodes" in r.getMessage() for r in caplog.records)
+
+
 def start_worker(url, log_path):
     args = worker_args(url, "hold_until_released", "--concurrency", "10", "--poll-interval", "0.2",
                        "--lease-ttl", "30")

@@ -66,12 +66,17 @@ class Inbox:
         self.scheduling = Scheduling(pool, self._path)
         self._limiter: Limiter | None = None
         self._limiter_guard = threading.Lock()
+        # Where the run path's take and finish calls go: "direct" or
+        # "coordinator" on Citus (connect's `citus_nodes`, "auto" resolved),
+        # "none" on plain PostgreSQL.
+        self.citus_nodes = "coordinator" if self._path.distributed else "none"
+
     @classmethod
     def connect(cls, url: str, *, pool_size: int = 4, application_name: str = "agent-inbox",
                 pooler: str = "none",
                 statement_timeout: float | None = db.DEFAULT_STATEMENT_TIMEOUT,
                 connect_timeout: float | None = db.DEFAULT_CONNECT_TIMEOUT,
-                citus_nodes: str = "coordinator", **options) -> "Inbox":
+                citus_nodes: str = "auto", **options) -> "Inbox":
         """Open a pool to `url` (any libpq connection string or URI). With
         `pooler="transaction"`, `url` may be a transaction pooler's (PgBouncer in
         `pool_mode = transaction`): no statement is prepared on the server.
@@ -83,8 +88,10 @@ class Inbox:
         "direct"` sends the run path's take and finish calls straight to the
         worker node that holds each bucket, at the address the coordinator has
         for it, on up to `pool_size` connections per node opened when needed
-        (routing.NodePools; needs a direct `url`, no pooler), instead of through
-        the coordinator ("coordinator", the default).
+        (routing.NodePools; needs a direct `url`, no pooler), "coordinator"
+        through the coordinator; "auto" (the default) is "direct" when every
+        node answers from here as the Inbox opens, else "coordinator", and logs
+        which and why (routing.choose; `citus_nodes` on the Inbox says it).
         `options` are the constructor's: max_attempts=3, lease_ttl=120,
         outbox_gap=3600, max_payload_bytes=1 MiB, max_memory_bytes=256 KiB, retry_backoff=5,
         retry_backoff_cap=300, max_batch=100, send_timeout=120, max_send_attempts=10,
@@ -108,10 +115,21 @@ class Inbox:
             configure=citus.Detector(node_connection_timeout=connect_timeout),
             statement_timeout=statement_timeout, connect_timeout=connect_timeout)
         try:
-            path = run_path.for_pool(pool, distributed=detector.distributed,
+            distributed = detector.distributed
+            if distributed is None:  # the pool's first connection is not made yet
+                with pool.connection() as conn:
+                    distributed = citus.is_distributed(conn)
+            if not distributed:
+                citus_nodes = "none"
+            elif citus_nodes == "auto":
+                with pool.connection() as conn:
+                    citus_nodes = routing.choose(conn, url, pooler, connect_node)
+            path = run_path.for_pool(pool, distributed=distributed,
                                      connect_node=connect_node if citus_nodes == "direct"
                                      else None)
-            return cls(pool, path=path, **options)
+            inbox = cls(pool, path=path, **options)
+            inbox.citus_nodes = citus_nodes
+            return inbox
         except BaseException:
             pool.close()
             raise

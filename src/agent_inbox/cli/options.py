@@ -101,12 +101,13 @@ def add_service_options(parser: argparse.ArgumentParser) -> None:
              "only its own users; 0 for no bound (default 5; env "
              "AGENT_INBOX_STATEMENT_TIMEOUT)")
     parser.add_argument(
-        "--citus-nodes", choices=citus_nodes.NODES, default=env_default("citus-nodes", "coordinator"),
+        "--citus-nodes", choices=citus_nodes.NODES, default=env_default("citus-nodes", "auto"),
         help="on Citus, where the run path's take and finish calls go: through the "
-             "coordinator, or 'direct' to the worker node that holds each bucket (at the "
+             "'coordinator', or 'direct' to the worker node that holds each bucket (at the "
              "address the coordinator has for it: the nodes must be reachable from here); "
-             "the coordinator still carries the rest (default coordinator; env "
-             "AGENT_INBOX_CITUS_NODES)")
+             "'auto' is direct if every node answers at start, else the coordinator, with a "
+             "log line saying which and why; the coordinator still carries the rest "
+             "(default auto; env AGENT_INBOX_CITUS_NODES)")
     parser.add_argument("--metrics-host", default=env_default("metrics-host", "127.0.0.1"),
                         help="address the metrics listen on (default 127.0.0.1; 0.0.0.0 for "
                              "every interface)")

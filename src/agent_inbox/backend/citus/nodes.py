@@ -173,10 +173,44 @@ def node_may_fail(conn: psycopg.Connection[Any], failures: list[Exception],
             nodes.failed(buckets, exc, time.monotonic() - began)
 
 
-NODES = ("coordinator", "direct")
+NODES = ("auto", "coordinator", "direct")
 """Where the run path sends its take and finish calls on Citus (Inbox.connect's
-`citus_nodes`): through the coordinator, or straight to the worker node that
-holds the bucket (NodePools)."""
+`citus_nodes`): through the coordinator, straight to the worker node that
+holds the bucket (NodePools), or "auto" (the default): straight to the nodes
+if every one answers from here when the Inbox opens, else through the
+coordinator, with a log line that says which and why (`choose`)."""
+
+
+def choose(conn: psycopg.Connection[Any], url: str, pooler: str,
+           connect: Callable[[str], psycopg.Connection[Any]]) -> str:
+    """What "auto" means for a Citus coordinator at `url` (`conn`: one of its
+    connections): "direct" if no pooler stands in between and every worker
+    node the coordinator lists (NODE_BUCKETS) accepts a connection from this
+    process (`connect`, within its connect timeout) and answers; else
+    "coordinator". Logs the choice: at INFO when direct, at WARNING, naming
+    the node and its error, when a node does not answer (the calls then pay
+    the coordinator's planning and relaying, about twice the database time of
+    a run). Asked once: a node lost later is handled as under "direct"."""
+    if pooler != "none":
+        log.info("Citus behind a transaction pooler: the run path's takes and finishes go "
+                 "through the coordinator (the worker nodes' addresses are the coordinator's "
+                 "own, not the pooler's)")
+        return "coordinator"
+    addresses = sorted({(host, port) for _, host, port in conn.execute(NODE_BUCKETS).fetchall()})
+    for host, port in addresses:
+        try:
+            with connect(make_conninfo(url, host=host, port=port)) as node:
+                node.execute("SELECT 1")
+        except psycopg.Error as exc:
+            log.warning("the Citus worker node %s:%d does not answer from here (%s): the run "
+                        "path's takes and finishes go through the coordinator; make the nodes "
+                        "reachable at the addresses the coordinator has for them "
+                        "(pg_dist_node) for the direct path, or pass --citus-nodes coordinator "
+                        "to silence this", host, port, errors.first_line(exc))
+            return "coordinator"
+    log.info("Citus: the run path's takes and finishes go straight to the %d worker nodes "
+             "(%s)", len(addresses), ", ".join(f"{h}:{p}" for h, p in addresses))
+    return "direct"
 
 
 IDLE_CHECK_S = 1.0
