@@ -66,10 +66,7 @@ class Inbox:
         self.scheduling = Scheduling(pool, self._path)
         self._limiter: Limiter | None = None
         self._limiter_guard = threading.Lock()
-        # Where the run path's take and finish calls go: "direct" or
-        # "coordinator" on Citus (connect's `citus_nodes`, "auto" resolved),
-        # "none" on plain PostgreSQL.
-        self.citus_nodes = "coordinator" if self._path.distributed else "none"
+        self._citus_nodes: str | None = None  # connect's choice, "auto" resolved
 
     @classmethod
     def connect(cls, url: str, *, pool_size: int = 4, application_name: str = "agent-inbox",
@@ -128,7 +125,7 @@ class Inbox:
                                      connect_node=connect_node if citus_nodes == "direct"
                                      else None)
             inbox = cls(pool, path=path, **options)
-            inbox.citus_nodes = citus_nodes
+            inbox._citus_nodes = citus_nodes
             return inbox
         except BaseException:
             pool.close()
@@ -138,6 +135,15 @@ class Inbox:
     def pool(self):
         """The connection pool, for services' own cross-user scans."""
         return self._pool
+
+    @property
+    def citus_nodes(self) -> str:
+        """Where the run path's take and finish calls go: "direct" or
+        "coordinator" on Citus (connect's `citus_nodes`, "auto" resolved),
+        "none" on plain PostgreSQL."""
+        if self._citus_nodes is not None:
+            return self._citus_nodes
+        return "coordinator" if self._path.distributed else "none"
 
     @property
     def citus(self) -> bool:
