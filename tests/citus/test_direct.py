@@ -40,11 +40,17 @@ def users_on_every_node(url: str, per_node: int) -> list[str]:
     return users
 
 
+@pytest.mark.parametrize("citus_nodes", ["direct", "auto"])  # auto: the default, every node up
 def test_takes_and_finishes_go_to_the_buckets_node_and_not_through_the_coordinator(
-        database_url, citus_cluster):
+        database_url, citus_cluster, caplog, citus_nodes):
     users = users_on_every_node(database_url, 2)
-    with Inbox.connect(database_url, pool_size=1, application_name=APP,
-                       citus_nodes="direct") as inbox:
+    with caplog.at_level("INFO", logger="agent_inbox.citus"), \
+            Inbox.connect(database_url, pool_size=1, application_name=APP,
+                          citus_nodes=citus_nodes) as inbox:
+        assert inbox.citus_nodes == "direct"
+        if citus_nodes == "auto":
+            [said] = [r.getMessage() for r in caplog.records if "go straight to" in r.getMessage()]
+            assert all(f":{node.port}" in said for node in citus_cluster.workers), said
         inbox.ingest_many([(user, "chat", "1", {}) for user in users])
         runs = inbox.runs.take_runs("w", users=10)
         assert sorted(run.user for run in runs) == sorted(users)
@@ -128,23 +134,6 @@ def test_a_stale_finish_sent_straight_to_the_node_is_refused(database_url):
         [fresh] = inbox.runs.take_runs("w2", users=1, now=1_000_100)   # the lease expired: taken over
         assert inbox.runs.finish_runs([inbox.runs.outcome(stale, Result())], now=1_000_100) == [False]
         assert inbox.runs.finish_runs([inbox.runs.outcome(fresh, Result())], now=1_000_100) == [True]
-
-
-def test_auto_by_default_sends_takes_and_finishes_straight_to_the_nodes(
-        database_url, citus_cluster, caplog):
-    users = users_on_every_node(database_url, 1)
-    with caplog.at_level("INFO", logger="agent_inbox.citus"), \
-            Inbox.connect(database_url, pool_size=1, application_name=APP) as inbox:
-        assert inbox.citus_nodes == "direct"
-        inbox.ingest_many([(user, "chat", "1", {}) for user in users])
-        runs = inbox.runs.take_runs("w", users=10)
-        assert sorted(run.user for run in runs) == sorted(users)
-        assert all("agent_inbox_take(" not in q for q in last_calls(database_url))
-        for node in node_urls(database_url, citus_cluster):
-            assert [q for q in last_calls(node) if "agent_inbox_take(" in q], node
-    ports = sorted(node.port for node in citus_cluster.workers)
-    [said] = [r.getMessage() for r in caplog.records if "go straight to" in r.getMessage()]
-    assert all(f":{port}" in said for port in ports), said
 
 
 def test_auto_behind_a_transaction_pooler_goes_through_the_coordinator_and_says_why(

@@ -189,8 +189,9 @@ def choose(conn: psycopg.Connection[Any], url: str, pooler: str,
     process (`connect`, within its connect timeout) and answers; else
     "coordinator". Logs the choice: at INFO when direct, at WARNING, naming
     the node and its error, when a node does not answer (the calls then pay
-    the coordinator's planning and relaying, about twice the database time of
-    a run). Asked once: a node lost later is handled as under "direct"."""
+    the coordinator's planning and relaying: in bench W7 its CPU per run was
+    1.08 ms against 0.35 ms direct). Asked once: a node lost later is handled
+    as under "direct"."""
     if pooler != "none":
         log.info("Citus behind a transaction pooler: the run path's takes and finishes go "
                  "through the coordinator (the worker nodes' addresses are the coordinator's "
