@@ -84,3 +84,63 @@ def test_a_database_laid_out_before_0006_gets_the_new_tables_distributed(citus_c
             assert inbox.memory("alice") == {"ok": True}
     finally:
         citus_cluster.drop_database(url)
+
+
+def _shard_answers(conn: psycopg.Connection, table: str, query: str) -> set[str]:
+    """`query` (with %s for the shard) run on every shard of `table`: the
+    distinct answers."""
+    return {result for result, in conn.execute(
+        "SELECT result FROM run_command_on_shards(%s, %s)", (table, query)).fetchall()}
+
+
+def test_a_database_laid_out_at_0013_upgrades_to_hot_claims(citus_cluster, capsys):
+    """Migration 0014 on a distributed database, as a user upgrading runs it
+    (`migrate --citus` again): every shard of events gets `outcome`, generated
+    from the rows already there (pending, running, done and dead), and the
+    partial indexes on it; then this code's run path works on those rows: the
+    run in flight across the upgrade finishes under its lease, the pending
+    event is taken, and its failure (max_attempts 1) parks it dead."""
+    from agent_inbox import Inbox, Result
+    from agent_inbox.schema import migrate
+
+    url = citus_cluster.create_database()
+    try:
+        migrate.upgrade(url, "0013")
+        assert citus.distribute(url)
+        with psycopg.connect(url) as conn:  # rows as the 0013 code left them
+            for user, status, until in (("u-done", "done", 0), ("u-dead", "dead", 0),
+                                        ("u-flight", "running", 2**40), ("u-open", "pending", 0)):
+                conn.execute("INSERT INTO leases (bucket, user_id, holder, gen, until)"
+                             " VALUES (agent_inbox_bucket(%s), %s, 'A', 1, %s)", (user, user, until))
+                conn.execute("INSERT INTO events (bucket, user_id, source, source_id, payload, status,"
+                             "                    attempts, claim_gen)"
+                             " VALUES (agent_inbox_bucket(%s), %s, 'chat', 'm1', '{}', %s, %s, 1)",
+                             (user, user, status, int(status != "pending")))
+            conn.execute("INSERT INTO wakes (bucket, user_id, at)"
+                         " VALUES (agent_inbox_bucket('u-open'), 'u-open', 0)")
+        assert cli.main(["migrate", "--citus", "--database-url", url]) == 0
+        assert "database at revision 0014" in capsys.readouterr().out
+        with psycopg.connect(url) as conn:
+            outcomes = dict(conn.execute("SELECT user_id, outcome FROM events").fetchall())
+            assert outcomes == {"u-done": "done", "u-dead": "dead", "u-flight": None, "u-open": None}
+            predicates = _shard_answers(  # each shard's partial indexes, its number taken out
+                conn, "events", "SELECT string_agg(d, '; ' ORDER BY d) FROM ("
+                "  SELECT regexp_replace(pg_get_indexdef(indexrelid), '_[0-9]+ ', ' ', 'g') AS d"
+                "    FROM pg_index WHERE indrelid = '%s'::regclass AND indpred IS NOT NULL) i")
+        assert predicates == {
+            "CREATE INDEX ix_events_dead ON public.events USING btree (id)"
+            " WHERE (outcome = 'dead'::text); "
+            "CREATE INDEX ix_events_open ON public.events USING btree (user_id, id)"
+            " WHERE (outcome IS NULL)"}, predicates
+        with Inbox.connect(url, pool_size=1, max_attempts=1, retry_backoff=0) as inbox:
+            [flight] = inbox.events("u-flight")
+            assert inbox.finish("u-flight", "A", 1, [flight.id])
+            run = inbox.take_work("B")
+            assert run is not None and run.user == "u-open" and len(run.events) == 1
+            assert inbox.finish_run(run, Result(error="poison"))
+            assert inbox.take_work("B") is not None  # the exhausted event is parked at claim
+            assert {u: [e.status for e in inbox.events(u)]
+                    for u in ("u-done", "u-dead", "u-flight", "u-open")} == {
+                "u-done": ["done"], "u-dead": ["dead"], "u-flight": ["done"], "u-open": ["dead"]}
+    finally:
+        citus_cluster.drop_database(url)

@@ -36,7 +36,10 @@ from agent_inbox.api.run_stats import RunStats
 log = logging.getLogger("agent_inbox.worker")
 
 # How long the completer gathers endings after the first before it commits them
-# together: a few milliseconds of a run's latency for far fewer statements.
+# together: a few milliseconds of a finish's latency for far fewer statements
+# (a run's place is free once its handler returned: the wait holds no run up).
+# A question (a durable step, a permit call) ends the gathering: its run waits
+# for the answer, so it is answered with what is queued, at once.
 COMMIT_WINDOW = 0.02
 # On Citus, a finish whose worker node did not answer is tried again after
 # about this long, by the completer, between the batches of runs that end
@@ -229,8 +232,11 @@ class Completer:
 
     def serve(self, done: threading.Event) -> None:
         """Commit endings as they come: everything that ended within
-        COMMIT_WINDOW of the first one waiting, in one commit. Until `done` is
-        set and nothing is left to write."""
+        COMMIT_WINDOW of the first one waiting, in one commit, unless a run's
+        question comes first: then everything queued, at once (natural group
+        commit: under load, what is asked while a commit is under way is the
+        next commit's batch). Until `done` is set and nothing is left to
+        write."""
         try:
             self._serve(done)
         finally:  # a question asked after the last drain is answered, never left waiting
@@ -248,11 +254,15 @@ class Completer:
                 except queue.Empty:
                     continue
             window = time.monotonic() + COMMIT_WINDOW
-            while (wait := window - time.monotonic()) > 0:
+            asked = any(not isinstance(item, Ending) for item in batch)
+            while True:
+                wait = 0.0 if asked else window - time.monotonic()
                 try:
-                    batch.append(self.queue.get(timeout=wait))
+                    item = self.queue.get(timeout=wait) if wait > 0 else self.queue.get_nowait()
                 except queue.Empty:
                     break
+                batch.append(item)
+                asked = asked or not isinstance(item, Ending)
             try:
                 batch = self.answer(batch)
             except Exception as exc:  # never lose the completer: fail the questions asked

@@ -1,0 +1,83 @@
+"""The worker's completer gathers endings for COMMIT_WINDOW into one commit,
+but a run's question (a durable step) ends the gathering: the run waits for
+its answer, so it is answered with what is queued at once. The completer runs
+here on a thread of this process over real runs taken from the database; each
+wait is on the completer's queue or on database state, bounded."""
+
+import threading
+import types
+
+import pytest
+
+from agent_inbox.agent.result import Result
+from agent_inbox.api.run_stats import RunStats
+from agent_inbox.services.worker import completer as completer_module
+from agent_inbox.services.worker.completer import Completer
+from agent_inbox.services.worker.flight import Flights
+from agent_inbox.services.worker.producer import Producer
+from tests.runtime.support import scalar, wait_until
+
+HOLDER = "gathering-test"
+
+
+@pytest.fixture
+def serving(inbox):
+    """A completer serving on a thread; `take(user)` makes a taken, begun run's
+    flight of `user` (its step journal through the completer, as the producer
+    makes it). Stopped at teardown."""
+    flights = Flights(run_timeout=60)
+    completer = Completer(inbox, flights, RunStats(inbox, HOLDER))
+    done = threading.Event()
+    thread = threading.Thread(target=completer.serve, args=(done,), daemon=True)
+    thread.start()
+    maker = types.SimpleNamespace(inbox=inbox, flights=flights)
+
+    def take(user):
+        inbox.ingest(user, "chat", "m1", {})
+        run = inbox.take_work(HOLDER)
+        assert run is not None and run.user == user
+        flight = Producer._flight(maker, run, 0.0)
+        flights.add([flight])
+        assert flights.begin(flight)
+        return flight
+
+    def taken_by_completer():
+        wait_until(flights.endings.empty, "the completer to take what was queued")
+
+    yield types.SimpleNamespace(flights=flights, take=take, taken=taken_by_completer)
+    done.set()
+    thread.join(timeout=30)
+    assert not thread.is_alive()
+
+
+def _event_xmin(url, user):
+    """The transaction that wrote `user`'s event done; None while it is not."""
+    return scalar(url, "SELECT max(xmin::text) FROM events WHERE user_id = %s AND status = 'done'",
+                  user)
+
+
+def test_endings_that_come_within_the_window_share_one_commit(database_url, serving, monkeypatch):
+    monkeypatch.setattr(completer_module, "COMMIT_WINDOW", 3.0)
+    first, second = serving.take("u1"), serving.take("u2")
+    serving.flights.ended(first, Result(), 0.0)
+    serving.taken()  # the completer holds the first ending and gathers
+    serving.flights.ended(second, Result(), 0.0)
+    wait_until(lambda: _event_xmin(database_url, "u1") and _event_xmin(database_url, "u2"),
+               "both runs' finishes")
+    assert _event_xmin(database_url, "u1") == _event_xmin(database_url, "u2")  # one transaction
+
+
+def test_a_step_asked_while_endings_gather_is_answered_without_the_window(
+        database_url, serving, monkeypatch):
+    monkeypatch.setattr(completer_module, "COMMIT_WINDOW", 3600.0)  # waited out, the test hangs
+    ending, stepping = serving.take("u1"), serving.take("u2")
+    serving.flights.ended(ending, Result(), 0.0)
+    serving.taken()  # the completer holds the ending and would gather for an hour
+    answers = []
+    step = threading.Thread(target=lambda: answers.append(
+        stepping.ctx.steps.run_blocking("s", lambda: 7, (), {})), daemon=True)
+    step.start()
+    step.join(timeout=30)
+    assert answers == [7], "the step was not answered: the completer waited out its window"
+    assert scalar(database_url, "SELECT count(*) FROM steps WHERE user_id = 'u2'") == 1
+    wait_until(lambda: _event_xmin(database_url, "u1"), "the ending queued before the step")
