@@ -1,10 +1,12 @@
-"""The worker's completer gathers endings for COMMIT_WINDOW into one commit,
-but a run's question (a durable step) ends the gathering: the run waits for
-its answer, so it is answered with what is queued at once. The completer runs
+"""The worker's completer gathers endings for COMMIT_WINDOW into one commit of
+at most COMMIT_MOST, but a run's question (a durable step) ends the
+gathering: the run waits for its answer, so it is answered with what is
+queued at once. The completer runs
 here on a thread of this process over real runs taken from the database; each
 wait is on the completer's queue or on database state, bounded."""
 
 import threading
+from collections import Counter
 import types
 
 import pytest
@@ -81,3 +83,18 @@ def test_a_step_asked_while_endings_gather_is_answered_without_the_window(
     assert answers == [7], "the step was not answered: the completer waited out its window"
     assert scalar(database_url, "SELECT count(*) FROM steps WHERE user_id = 'u2'") == 1
     wait_until(lambda: _event_xmin(database_url, "u1"), "the ending queued before the step")
+
+
+def test_a_commit_takes_at_most_commit_most_endings(database_url, serving, monkeypatch):
+    """Endings piled up beyond COMMIT_MOST (thousands of runs ending while a
+    commit is slow) are committed COMMIT_MOST at a time, never as one
+    statement that could outlast the statement timeout and be retried whole."""
+    monkeypatch.setattr(completer_module, "COMMIT_WINDOW", 3.0)
+    monkeypatch.setattr(completer_module, "COMMIT_MOST", 3)
+    flights = [serving.take(f"u{n}") for n in range(7)]
+    for flight in flights:
+        serving.flights.ended(flight, Result(), 0.0)
+    wait_until(lambda: all(_event_xmin(database_url, f"u{n}") for n in range(7)),
+               "every run's finish")
+    commits = Counter(_event_xmin(database_url, f"u{n}") for n in range(7))
+    assert max(commits.values()) <= 3 and len(commits) >= 3, commits

@@ -41,6 +41,11 @@ log = logging.getLogger("agent_inbox.worker")
 # A question (a durable step, a permit call) ends the gathering: its run waits
 # for the answer, so it is answered with what is queued, at once.
 COMMIT_WINDOW = 0.02
+# Most endings and questions one commit takes: the rest wait in the queue for the
+# next. Without a bound, runs that end while a commit is slow (thousands in
+# flight) pile into one statement that outlasts the statement timeout, and is
+# retried whole, again and again: a worker that never finishes again.
+COMMIT_MOST = 1000
 # On Citus, a finish whose worker node did not answer is tried again after
 # about this long, by the completer, between the batches of runs that end
 # meanwhile (those do not wait for it).
@@ -235,8 +240,8 @@ class Completer:
         COMMIT_WINDOW of the first one waiting, in one commit, unless a run's
         question comes first: then everything queued, at once (natural group
         commit: under load, what is asked while a commit is under way is the
-        next commit's batch). Until `done` is set and nothing is left to
-        write."""
+        next commit's batch); at most COMMIT_MOST at a time. Until `done` is
+        set and nothing is left to write."""
         try:
             self._serve(done)
         finally:  # a question asked after the last drain is answered, never left waiting
@@ -255,7 +260,7 @@ class Completer:
                     continue
             window = time.monotonic() + COMMIT_WINDOW
             asked = any(not isinstance(item, Ending) for item in batch)
-            while True:
+            while len(batch) < COMMIT_MOST:
                 wait = 0.0 if asked else window - time.monotonic()
                 try:
                     item = self.queue.get(timeout=wait) if wait > 0 else self.queue.get_nowait()
