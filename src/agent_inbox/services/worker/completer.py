@@ -237,11 +237,12 @@ class Completer:
 
     def serve(self, done: threading.Event) -> None:
         """Commit endings as they come: everything that ended within
-        COMMIT_WINDOW of the first one waiting, in one commit, unless a run's
-        question comes first: then everything queued, at once (natural group
-        commit: under load, what is asked while a commit is under way is the
-        next commit's batch); at most COMMIT_MOST at a time. Until `done` is
-        set and nothing is left to write."""
+        COMMIT_WINDOW of the first one waiting, in one commit; as soon as a
+        run's question is in the batch, the window ends and what is queued
+        then joins it at once (natural group commit: under load, what is asked
+        while a commit is under way is the next commit's batch). At most
+        COMMIT_MOST items a commit. Until `done` is set and nothing is left to
+        write."""
         try:
             self._serve(done)
         finally:  # a question asked after the last drain is answered, never left waiting
