@@ -5,10 +5,12 @@ queued at once. The completer runs
 here on a thread of this process over real runs taken from the database; each
 wait is on the completer's queue or on database state, bounded."""
 
+import contextlib
 import threading
 from collections import Counter
 import types
 
+import psycopg
 import pytest
 
 from agent_inbox.agent.result import Result
@@ -22,11 +24,11 @@ from tests.runtime.support import scalar, wait_until
 HOLDER = "gathering-test"
 
 
-@pytest.fixture
-def serving(inbox):
+@contextlib.contextmanager
+def completer_serving(inbox):
     """A completer serving on a thread; `take(user)` makes a taken, begun run's
     flight of `user` (its step journal through the completer, as the producer
-    makes it). Stopped at teardown."""
+    makes it). Stopped at the block's end."""
     flights = Flights(run_timeout=60)
     completer = Completer(inbox, flights, RunStats(inbox, HOLDER))
     done = threading.Event()
@@ -50,6 +52,12 @@ def serving(inbox):
     done.set()
     thread.join(timeout=30)
     assert not thread.is_alive()
+
+
+@pytest.fixture
+def serving(inbox):
+    with completer_serving(inbox) as serving:
+        yield serving
 
 
 def _event_xmin(url, user):
@@ -98,3 +106,21 @@ def test_a_commit_takes_at_most_commit_most_endings(database_url, serving, monke
                "every run's finish")
     commits = Counter(_event_xmin(database_url, f"u{n}") for n in range(7))
     assert max(commits.values()) <= 3 and len(commits) >= 3, commits
+
+
+def test_a_finish_that_outlasts_the_statement_timeout_is_committed_in_halves(
+        database_url, make_inbox, monkeypatch):
+    """One run's lease row locked elsewhere holds the batch's finish past the
+    statement timeout: the other runs commit (the batch halved until the
+    locked run is alone) while it waits, and it commits once the lock goes."""
+    monkeypatch.setattr(completer_module, "COMMIT_WINDOW", 3.0)
+    with completer_serving(make_inbox(statement_timeout=1, pool_size=2)) as serving:
+        flights = [serving.take(f"u{n}") for n in range(4)]
+        with psycopg.connect(database_url) as blocker:
+            blocker.execute("SELECT 1 FROM leases WHERE user_id = 'u3' FOR UPDATE")
+            for flight in flights:
+                serving.flights.ended(flight, Result(), 0.0)
+            wait_until(lambda: all(_event_xmin(database_url, f"u{n}") for n in range(3)),
+                       "the runs the lock does not hold up to finish", timeout=60)
+            assert _event_xmin(database_url, "u3") is None
+        wait_until(lambda: _event_xmin(database_url, "u3"), "the locked run's finish", timeout=60)

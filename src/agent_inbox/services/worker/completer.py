@@ -23,7 +23,9 @@ import threading
 import time
 from dataclasses import dataclass
 
-from agent_inbox import errors, metrics, tracing
+import psycopg
+
+from agent_inbox import db, errors, metrics, tracing
 from agent_inbox.api.inbox import Inbox
 from agent_inbox.agent.permits import PermitAsk, RunPermits
 from agent_inbox.agent.result import Result
@@ -318,6 +320,10 @@ class Completer:
             try:
                 flags = self.inbox.runs.finish_runs([outcome for _, outcome in pending], now=now)
             except (errors.DatabaseUnavailable, errors.TransactionConflict) as exc:
+                if len(pending) > 1 and not accepted and not later and _outlasted(exc):
+                    log.warning("the finish of %d runs outlasted the statement timeout; "
+                                "committing them in two halves", len(pending))
+                    return self._finish_in_halves(finishes, [f for f, _ in pending], now)
                 log.warning("finish failed for %d runs (%s); retrying", len(pending), exc)
                 if isinstance(exc, errors.PartlyDone):
                     for (flight, outcome), flag in zip(pending, exc.done):
@@ -349,6 +355,25 @@ class Completer:
             break
         return ([accepted.get(e.flight, False) for e in finishes if e.flight not in later],
                 [e for e in finishes if e.flight in later])
+
+    def _finish_in_halves(self, finishes: list[Ending], flights: list[InFlight],
+                          now: int | None) -> tuple[list[bool], list[Ending]]:
+        """`_finish` of the runs of `flights` in two halves, one after the
+        other (each halved again while it outlasts the statement timeout):
+        what one slow run holds up, or a batch too large for the timeout, costs
+        only its own half. Its answer for `finishes` (a run not in `flights`
+        was dropped as lost: False)."""
+        half = len(flights) // 2
+        by_flight = {e.flight: e for e in finishes}
+        accepted: dict[InFlight, bool] = {}
+        later: list[Ending] = []
+        for part in ([by_flight[f] for f in flights[:half]], [by_flight[f] for f in flights[half:]]):
+            flags, part_later = self._finish(part, now)
+            waiting = {e.flight for e in part_later}
+            accepted.update(zip([e.flight for e in part if e.flight not in waiting], flags))
+            later += part_later
+        waiting = {e.flight for e in later}
+        return ([accepted.get(e.flight, False) for e in finishes if e.flight not in waiting], later)
 
     def _finish_alone(self, flight: InFlight, outcome: Outcome, now: int | None) -> bool:
         run = flight.run
@@ -419,6 +444,12 @@ class Completer:
         for flight in flights:
             log.info("lease %s %s (never started)",
                      "given back" if flight.run.user in given else "not given back", flight.label)
+
+
+def _outlasted(exc: BaseException) -> bool:
+    """Whether a statement failed for outlasting the statement timeout (the
+    server's, or the client's bound on the wait: db.StatementCut)."""
+    return isinstance(exc.__cause__, (psycopg.errors.QueryCanceled, db.StatementCut))
 
 
 def _fail_unanswered(items: list, exc: Exception) -> None:
