@@ -1,14 +1,15 @@
 """The worker's completer gathers endings for COMMIT_WINDOW into one commit of
 at most COMMIT_MOST, but a run's question (a durable step) ends the
 gathering: the run waits for its answer, so it is answered with what is
-queued at once. The completer runs
-here on a thread of this process over real runs taken from the database; each
-wait is on the completer's queue or on database state, bounded."""
+queued at once. A finish that outlasts the statement timeout is committed in
+halves. The completer runs here on a thread of this process over real runs
+taken from the database; each wait is on the completer's queue or on
+database state, bounded."""
 
 import contextlib
 import threading
-from collections import Counter
 import types
+from collections import Counter
 
 import psycopg
 import pytest
