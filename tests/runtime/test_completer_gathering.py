@@ -80,7 +80,7 @@ def test_endings_that_come_within_the_window_share_one_commit(database_url, serv
 
 def test_a_step_asked_while_endings_gather_is_answered_without_the_window(
         database_url, serving, monkeypatch):
-    monkeypatch.setattr(completer_module, "COMMIT_WINDOW", 3600.0)  # waited out, the test hangs
+    monkeypatch.setattr(completer_module, "COMMIT_WINDOW", 3600.0)  # waited out: no answer in 30 s
     ending, stepping = serving.take("u1"), serving.take("u2")
     serving.flights.ended(ending, Result(), 0.0)
     serving.taken()  # the completer holds the ending and would gather for an hour

@@ -45,8 +45,9 @@ log = logging.getLogger("agent_inbox.worker")
 COMMIT_WINDOW = 0.02
 # Most endings and questions one commit takes: the rest wait in the queue for the
 # next. Without a bound, runs that end while a commit is slow (thousands in
-# flight) pile into one statement that outlasts the statement timeout, and is
-# retried whole, again and again: a worker that never finishes again.
+# flight) pile into one statement that outlasts the statement timeout and is
+# retried whole, again and again, until the runs' leases expire and they run
+# again elsewhere.
 COMMIT_MOST = 1000
 # On Citus, a finish whose worker node did not answer is tried again after
 # about this long, by the completer, between the batches of runs that end
