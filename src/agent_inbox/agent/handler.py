@@ -34,16 +34,21 @@ from agent_inbox.records import Event
 
 
 class LeaseLostSignal:
-    """A flag set once, from any thread, that threads wait on and coroutines await."""
+    """A flag set once, from any thread, that threads wait on and coroutines await.
+    Its threading.Event is made by the first thread that waits (most runs never
+    wait on it: one fewer Condition per run)."""
 
     def __init__(self):
-        self._event = threading.Event()
+        self._set = False
+        self._event: threading.Event | None = None
         self._guard = threading.Lock()
         self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future]] = []
 
     def set(self) -> None:
         with self._guard:
-            self._event.set()
+            self._set = True
+            if self._event is not None:
+                self._event.set()
             waiters, self._waiters = self._waiters, []
         for loop, future in waiters:
             try:
@@ -52,10 +57,16 @@ class LeaseLostSignal:
                 pass
 
     def is_set(self) -> bool:
-        return self._event.is_set()
+        return self._set
 
     def wait(self, timeout: float | None = None) -> bool:
-        return self._event.wait(timeout)
+        with self._guard:
+            if self._set:
+                return True
+            if self._event is None:
+                self._event = threading.Event()
+            event = self._event
+        return event.wait(timeout)
 
     def __await__(self):
         return self._wait_async().__await__()
@@ -64,7 +75,7 @@ class LeaseLostSignal:
         loop = asyncio.get_running_loop()
         future = loop.create_future()
         with self._guard:
-            if self._event.is_set():
+            if self._set:
                 return True
             self._waiters.append((loop, future))
         await future

@@ -5,9 +5,9 @@ shutdown) are released, runs never started are given back, runs whose lease is
 lost write nothing. Then they leave the table of flights.
 
 It also answers the runs' questions, asked on the same queue as the endings:
-durable-step reads and records (`StepWork`, through a run's `WorkerJournal`):
+durable-step reads and records (`StepWork`, through a run's `RunLine`):
 the reads in one statement, the records of every run in flight in one commit;
-and permit calls (`PermitWork`, through `worker_permits`), decided and recorded
+and permit calls (`PermitWork`, through the same line), decided and recorded
 together in one transaction.
 
 It owns the finishes to try again: on Citus, those a silent worker node did not
@@ -29,7 +29,7 @@ from agent_inbox import db, errors, metrics, tracing
 from agent_inbox.api.inbox import Inbox
 from agent_inbox.agent.permits import PermitAsk, RunPermits
 from agent_inbox.agent.result import Result
-from agent_inbox.api.runs import Outcome
+from agent_inbox.api.runs import Outcome, Run
 from agent_inbox.services.service import backoff_delays, jittered
 from agent_inbox.records import RecordedStep, StepRecord
 from agent_inbox.services.worker.flight import Ending, EndingKind, Flights, InFlight, StopReason
@@ -66,35 +66,6 @@ class StepWork:
     asked: float  # host monotonic time it was asked
 
 
-class WorkerJournal:
-    """A run's step journal in the worker: its reads and records go through the
-    completer, which commits the records of every run in flight together."""
-
-    def __init__(self, completer_queue: queue.SimpleQueue, flight: InFlight):
-        self._queue, self._flight = completer_queue, flight
-
-    def _ask(self, record: StepRecord | None) -> concurrent.futures.Future:
-        reply = concurrent.futures.Future()
-        if self._flight.ctx.lease_lost.is_set():  # stopped: nothing it records would stand
-            reply.set_exception(errors.StepRefused(
-                f"{self._flight.label} was stopped: its steps are no longer recorded"))
-            return reply
-        self._queue.put(StepWork(self._flight, record, reply, time.monotonic()))
-        return reply
-
-    def recorded(self) -> list[RecordedStep]:
-        return self._ask(None).result()
-
-    def record(self, record: StepRecord) -> None:
-        self._ask(record).result()
-
-    async def recorded_async(self) -> list[RecordedStep]:
-        return await asyncio.wrap_future(self._ask(None))
-
-    async def record_async(self, record: StepRecord) -> None:
-        await asyncio.wrap_future(self._ask(record))
-
-
 @dataclass(eq=False)
 class PermitWork:
     """A run's `ctx.permit` question, for the completer, which answers `reply`
@@ -105,22 +76,75 @@ class PermitWork:
     reply: concurrent.futures.Future
 
 
-def worker_permits(completer_queue: queue.SimpleQueue, flight: InFlight) -> RunPermits:
-    """A run's `ctx.permit` in the worker: its questions go through the
-    completer, which decides those of every run in flight together."""
-    def ask(question: PermitAsk) -> concurrent.futures.Future:
-        reply = concurrent.futures.Future()
-        if flight.ctx.lease_lost.is_set():  # stopped: the answer is LeaseLost
-            reply.set_result(None)
+class RunLine:
+    """A run's line to the completer: its durable-step reads and records (it is
+    the run's step journal, steps.py) and its permit questions (`permits`) go
+    through it, to be answered together with those of every run in flight.
+
+    It holds the run's flight only while the run is in the table: `Flights.drop`
+    cuts it (`cut`) once the run's ending is written, and whatever the run asks
+    after that is refused, as a stopped run's questions are. So the run's
+    objects (flight, context, steps, permits) hold no reference cycle through
+    it and are freed as the run leaves the table, not by the cyclic garbage
+    collector, which, with thousands of runs in flight, spent most of the
+    worker's time finding them."""
+
+    def __init__(self, completer_queue: queue.SimpleQueue, flight: InFlight):
+        self._queue, self._flight, self.label = completer_queue, flight, flight.label
+
+    def cut(self) -> None:
+        self._flight = None
+
+    def _asking(self) -> InFlight | None:
+        """The run's flight, None once it was stopped or left the table."""
+        flight = self._flight
+        return None if flight is None or flight.ctx.lease_lost.is_set() else flight
+
+    # --- the step journal (steps.Journal) ---------------------------------------------------
+
+    def _ask_step(self, record: StepRecord | None) -> concurrent.futures.Future:
+        reply: concurrent.futures.Future = concurrent.futures.Future()
+        flight = self._asking()
+        if flight is None:  # stopped: nothing it records would stand
+            reply.set_exception(errors.StepRefused(
+                f"{self.label} was stopped: its steps are no longer recorded"))
             return reply
-        completer_queue.put(PermitWork(flight, question, reply))
+        self._queue.put(StepWork(flight, record, reply, time.monotonic()))
         return reply
 
-    async def ask_async(question: PermitAsk):
-        return await asyncio.wrap_future(ask(question))
+    def recorded(self) -> list[RecordedStep]:
+        return self._ask_step(None).result()
 
-    run = flight.run
-    return RunPermits(run.user, run.holder, run.gen, lambda q: ask(q).result(), ask_async)
+    def record(self, record: StepRecord) -> None:
+        self._ask_step(record).result()
+
+    async def recorded_async(self) -> list[RecordedStep]:
+        return await asyncio.wrap_future(self._ask_step(None))
+
+    async def record_async(self, record: StepRecord) -> None:
+        await asyncio.wrap_future(self._ask_step(record))
+
+    # --- ctx.permit ----------------------------------------------------------------------------
+
+    def permits(self, run: Run) -> RunPermits:
+        """The run's `ctx.permit`, asking through this line."""
+        return RunPermits(run.user, run.holder, run.gen, self._ask_permit_blocking,
+                          self._ask_permit_async)
+
+    def _ask_permit(self, question: PermitAsk) -> concurrent.futures.Future:
+        reply: concurrent.futures.Future = concurrent.futures.Future()
+        flight = self._asking()
+        if flight is None:  # stopped: the answer is LeaseLost
+            reply.set_result(None)
+            return reply
+        self._queue.put(PermitWork(flight, question, reply))
+        return reply
+
+    def _ask_permit_blocking(self, question: PermitAsk):
+        return self._ask_permit(question).result()
+
+    async def _ask_permit_async(self, question: PermitAsk):
+        return await asyncio.wrap_future(self._ask_permit(question))
 
 
 class Completer:

@@ -22,7 +22,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Protocol
 
 from agent_inbox import metrics
 from agent_inbox.agent.handler import Context
@@ -57,9 +57,22 @@ GOING = (State.TAKEN, State.RUNNING)  # a place each: what --concurrency counts
 SETTLED = (State.ENDED, State.STOPPED)  # an ending each, reported once
 
 
+class Line(Protocol):
+    """A run's line to the completer for its questions (completer.RunLine)."""
+
+    def cut(self) -> None:
+        """The run left the table: hold its flight no longer, refuse its questions."""
+
+
 @dataclass(eq=False)
 class InFlight:
-    """One run from its take to its commit: all the worker keeps of it."""
+    """One run from its take to its commit: all the worker keeps of it.
+
+    While it is in the table it is part of reference cycles (its context's
+    step journal and permits reach it through its `line`, its handler's task
+    through `cancel`); `leave` breaks them as it leaves the table, so that a
+    run's objects are freed by reference counting, at once, and the cyclic
+    garbage collector is not left to find thousands of them."""
 
     run: Run
     ctx: Context
@@ -69,6 +82,13 @@ class InFlight:
     cancel: Callable[[], None] | None = None  # stops its handler, where that can be done
     reported: bool = False  # its ending went to the completer
     stopped_at: float | None = None  # monotonic time it was stopped while running
+    line: Line | None = None  # its questions' way to the completer
+
+    def leave(self) -> None:
+        """Out of the table (its ending is written): break its reference cycles."""
+        self.cancel = None
+        if self.line is not None:
+            self.line.cut()
 
     @property
     def label(self) -> str:
@@ -154,6 +174,7 @@ class Flights:
         with self.guard:
             for flight in flights:
                 self._table.pop(flight.run.key, None)
+                flight.leave()
             self.guard.notify_all()
 
     def where(self, *states: State) -> list[InFlight]:

@@ -17,7 +17,7 @@ from agent_inbox.api.inbox import Inbox
 from agent_inbox.api.runs import Run
 from agent_inbox.services.service import Stop, Waker, backoff_delays, jittered
 from agent_inbox.agent.steps import RunSteps
-from agent_inbox.services.worker.completer import WorkerJournal, worker_permits
+from agent_inbox.services.worker.completer import RunLine
 from agent_inbox.services.worker.flight import Flights, InFlight, StopReason
 from agent_inbox.api.run_stats import RunStats
 
@@ -87,10 +87,11 @@ class Producer:
                       attempt=max((e.attempts for e in run.events), default=1),
                       limiter=self.inbox.limiter)
         flight = InFlight(run, ctx, taken_at)
-        ctx.permits = worker_permits(self.flights.endings, flight)
+        flight.line = line = RunLine(self.flights.endings, flight)
+        ctx.permits = line.permits(run)
         flight.ctx.steps = RunSteps(run.user, run.holder, run.gen, [e.id for e in run.events],
                                     may_resume=any(e.ran_before for e in run.events),
-                                    journal=WorkerJournal(self.flights.endings, flight),
+                                    journal=line,
                                     max_result_bytes=self.inbox.settings.max_payload_bytes)
         flight.ctx.steps.trace = run.trace
         return flight
