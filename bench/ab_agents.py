@@ -2,7 +2,7 @@
 concurrency 1000 / 200), interleaved.
 
     .venv/bin/python -m bench.ab_agents REV [REV ...] [--reps 3] [--quick] [--only w5,w5s]
-                                        [--out FILE]
+                                        [--set w5.concurrency=5000] [--out FILE]
 
 Each REV's src/ is extracted with `git archive` into a temp dir (the repository is not
 touched) and its worker runs with PYTHONPATH pointing there; B is the working tree. The
@@ -25,7 +25,7 @@ from pathlib import Path
 
 from bench import workloads as wl
 from bench.common import RESULTS, ROOT, ours_database, resources, src_fingerprint
-from bench.run import FULL, QUICK
+from bench.run import FULL, QUICK, apply_settings
 
 KEYS = ("runs_per_s_drain", "ratio_to_ideal", "drain_s", "startup_s", "peak_rss_mib",
         "peak_connections", "peak_runs_at_once")
@@ -37,10 +37,14 @@ def main(argv=None) -> int:
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--quick", action="store_true", help="bench.run's --quick sizes")
     parser.add_argument("--only", default="w5,w5s")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=JSON",
+                        help="override a setting as bench.run does, e.g. --set "
+                             "w5.concurrency=5000 --set w5.users=50000 (repeatable)")
     parser.add_argument("--out", default=None)
     parser.add_argument("--server-url", default="postgresql://postgres@127.0.0.1:5432/postgres")
     args = parser.parse_args(argv)
-    cfg = QUICK if args.quick else FULL
+    cfg = json.loads(json.dumps(QUICK if args.quick else FULL))
+    apply_settings(cfg, args.set, parser.error)
     names = args.only.split(",")
     res = resources()
     trees, commits = {}, {}

@@ -606,6 +606,23 @@ def all_checks(c: Collector) -> dict:
     return out
 
 
+def apply_settings(cfg: dict, items: list[str], error) -> None:
+    """Apply `--set KEY=JSON` overrides (KEY dotted, e.g. w5.concurrency) to
+    `cfg` in place; `error(message)` for a key that names no setting."""
+    for item in items:
+        key, _, value = item.partition("=")
+        *path, last = key.split(".")
+        node = cfg
+        for part in path:
+            node = node.get(part) if isinstance(node, dict) else None
+            if node is None:
+                break
+        if not isinstance(node, dict) or last not in node:
+            error(f"--set {key}: no such setting")
+            continue
+        node[last] = json.loads(value)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.run", description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="1 run, smaller sizes (smoke test)")
@@ -639,15 +656,7 @@ def main(argv=None) -> int:
     cfg = json.loads(json.dumps(QUICK if args.quick else FULL))
     if args.reps:
         cfg["reps"] = args.reps
-    for item in args.set:
-        key, _, value = item.partition("=")
-        *path, last = key.split(".")
-        node = cfg
-        for part in path:
-            node = node[part]
-        if last not in node:
-            parser.error(f"--set {key}: no such setting")
-        node[last] = json.loads(value)
+    apply_settings(cfg, args.set, parser.error)
     if args.ours_src:
         import subprocess
         from bench.common import ROOT

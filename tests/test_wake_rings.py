@@ -165,6 +165,25 @@ def test_a_rotation_gives_the_planner_the_new_rings_statistics(database_url, mak
                             ).fetchone()[0] == 30
 
 
+def test_the_new_rings_statistics_commit_with_the_rotation(database_url, make_inbox):
+    """The partition the wakes move to is analyzed in the rotation's own
+    transaction: a statement that waited for the rotation's lock plans, as it
+    gets it, with the partition's rows counted, not over a partition known as
+    empty (a sequential scan of every wake for each user it looks at)."""
+    inbox = make_inbox(lease_ttl=TTL)
+    inbox.ingest_many([(f"u{i}", "chat", "1", {}) for i in range(3000)])
+    with psycopg.connect(database_url) as conn:
+        with conn.transaction():
+            assert wake_rings.rotate(conn) == 3000                  # no analyze() after it
+        assert conn.execute("SELECT reltuples FROM pg_class WHERE relname = 'wakes_1'"
+                            ).fetchone()[0] == 3000
+        conn.execute("SET plan_cache_mode = force_generic_plan")
+        conn.execute("PREPARE low_water (text) AS SELECT min(from_id) FROM wakes"
+                     f" WHERE user_id = $1 AND ring IN ({wake_rings.LIVE})")
+        plan = "\n".join(row for row, in conn.execute("EXPLAIN EXECUTE low_water('u7')"))
+    assert "Index" in plan and "Seq Scan on wakes_1" not in plan, plan
+
+
 def test_retiring_a_ring_a_dump_holds_never_waits_in_front_of_the_run_path(
         database_url, make_inbox):
     """Every statement of the run path locks every partition of `wakes`, so a
