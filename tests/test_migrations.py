@@ -41,6 +41,20 @@ def test_downgrade_to_base_and_upgrade_again(empty_database_url):
     assert _tables(empty_database_url) == TABLES | RINGS
 
 
+def test_the_hot_tables_leave_room_on_their_pages(empty_database_url):
+    """The tables the run path updates in place get a fillfactor that leaves
+    each page room for HOT updates (0009: leases 25; 0015: events 50), and a
+    downgrade past 0015 gives events 0014's 80 back."""
+    def fillfactors() -> dict[str, list[str] | None]:
+        with psycopg.connect(empty_database_url) as conn:
+            return dict(conn.execute("SELECT relname::text, reloptions FROM pg_class"
+                                     " WHERE relname IN ('events', 'leases')").fetchall())
+    migrate.upgrade(empty_database_url)
+    assert fillfactors() == {"events": ["fillfactor=50"], "leases": ["fillfactor=25"]}
+    migrate.downgrade(empty_database_url, "0014")
+    assert fillfactors()["events"] == ["fillfactor=80"]
+
+
 def test_0011_keeps_every_wake_and_its_id_both_ways(empty_database_url):
     """The wakes at 0010 (one per user with open events, the trigger's) are
     the wakes at 0011, in ring 0, ids and marks unchanged, and new ids follow

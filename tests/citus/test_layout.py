@@ -6,6 +6,7 @@ import psycopg
 
 from agent_inbox.backend.citus import layout as citus
 from agent_inbox import cli
+from agent_inbox.schema import revision
 from agent_inbox.dev import pgserver
 
 
@@ -119,7 +120,7 @@ def test_a_database_laid_out_at_0013_upgrades_to_hot_claims(citus_cluster, capsy
             conn.execute("INSERT INTO wakes (bucket, user_id, at)"
                          " VALUES (agent_inbox_bucket('u-open'), 'u-open', 0)")
         assert cli.main(["migrate", "--citus", "--database-url", url]) == 0
-        assert "database at revision 0014" in capsys.readouterr().out
+        assert f"database at revision {revision.HEAD}" in capsys.readouterr().out
         with psycopg.connect(url) as conn:
             outcomes = dict(conn.execute("SELECT user_id, outcome FROM events").fetchall())
             assert outcomes == {"u-done": "done", "u-dead": "dead", "u-flight": None, "u-open": None}
@@ -132,6 +133,10 @@ def test_a_database_laid_out_at_0013_upgrades_to_hot_claims(citus_cluster, capsy
             " WHERE (outcome = 'dead'::text); "
             "CREATE INDEX ix_events_open ON public.events USING btree (user_id, id)"
             " WHERE (outcome IS NULL)"}, predicates
+        with psycopg.connect(url) as conn:  # 0015's fillfactor, on every shard
+            fillfactors = _shard_answers(conn, "events", "SELECT array_to_string(reloptions, ',')"
+                                         " FROM pg_class WHERE oid = '%s'::regclass")
+        assert fillfactors == {"fillfactor=50"}, fillfactors
         with Inbox.connect(url, pool_size=1, max_attempts=1, retry_backoff=0) as inbox:
             [flight] = inbox.events("u-flight")
             assert inbox.finish("u-flight", "A", 1, [flight.id])

@@ -76,8 +76,8 @@ events = sa.Table(
 # index holds open events only, so its size follows the work waiting, not the
 # number of users or of finished events. A statement that should use it says
 # `outcome IS NULL` (store/inbox.py's OPEN): the planner cannot prove it from
-# `status`. The table's fillfactor, 80 (set by migration 0014), leaves each
-# page room for the claims' HOT updates of its rows.
+# `status`. The table's fillfactor, 50 (set by migration 0015; 80 by 0014),
+# leaves each page room for the claims' HOT updates of its rows.
 sa.Index(
     "ix_events_open",
     events.c.user_id,

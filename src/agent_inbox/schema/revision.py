@@ -23,7 +23,7 @@ from agent_inbox.store import wake_rings
 log = logging.getLogger("agent_inbox.revision")
 
 KNOWN = ("0001", "0002", "0003", "0004", "0005", "0006", "0007", "0008", "0009",
-         "0010", "0011", "0012", "0013", "0014")  # oldest first
+         "0010", "0011", "0012", "0013", "0014", "0015")  # oldest first
 HEAD = KNOWN[-1]
 
 
