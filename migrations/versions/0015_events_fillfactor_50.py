@@ -8,7 +8,7 @@ backlog ran out of room as its users were claimed: in W1 (1,000 users x 20
 events, interleaved as they arrive) only a quarter of the claims were HOT,
 the rest wrote an entry in each of the three indexes their new version
 belonged to; at 50, 92 % were, and W1's drain was 1.16x (`python -m
-bench.fillfactor --reps 3`: 28,296 against 24,360 events/s, medians of 3
+bench.events_layout --reps 3`: 28,296 against 24,360 events/s, medians of 3
 interleaved; bench/results/w1_fillfactor.json).
 
 A page of `events` holds half the rows it held (a table twice the size for
