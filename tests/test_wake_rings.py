@@ -207,6 +207,49 @@ def test_retiring_a_ring_a_dump_holds_never_waits_in_front_of_the_run_path(
     assert rings(database_url)[1][0] is True            # the dump ended: truncated
 
 
+def test_retiring_a_ring_someone_holds_sends_no_lock_request_to_be_refused(
+        database_url, make_inbox):
+    """A refused NOWAIT request is an ERROR in the server's log: while
+    another session holds the ring, the retiring looks at pg_locks again and
+    again and sends no request at all; once it is free, one is sent and had."""
+    inbox = make_inbox(lease_ttl=TTL)
+    inbox.ingest("u", "chat", "1", {})
+    handle_all(inbox)
+    assert rotate(inbox).outcome == compaction.COMPACTED
+    with psycopg.connect(database_url) as holder:
+        holder.execute("LOCK TABLE wakes_0 IN ACCESS SHARE MODE")
+        with inbox.pool.connection() as conn:
+            sent = _Statements(conn)
+            _retire(sent, budget_s=0.2, held_long_s=0)  # the holder counts as long
+        assert sent.requests("wakes_0") == [] and sent.looks("LOCKED_BY_OTHERS") > 2
+        assert rings(database_url)[1][0] is False
+    with inbox.pool.connection() as conn:
+        sent = _Statements(conn)
+        _retire(sent, budget_s=0.2, held_long_s=0)
+    assert sent.requests("wakes_0") == ["LOCK TABLE wakes_0 IN ACCESS EXCLUSIVE MODE NOWAIT"]
+    assert rings(database_url)[1][0] is True
+
+
+class _Statements:
+    """A connection that keeps the text of what is sent through it."""
+
+    def __init__(self, conn):
+        self.conn, self.sent = conn, []
+
+    def execute(self, query, params=None):
+        self.sent.append(query)
+        return self.conn.execute(query, params)
+
+    def transaction(self):
+        return self.conn.transaction()
+
+    def looks(self, name: str) -> int:
+        return sum(query == getattr(wake_rings, name) for query in self.sent)
+
+    def requests(self, table: str) -> list[str]:
+        return [q for q in self.sent if isinstance(q, str) and q.startswith(f"LOCK TABLE {table} ")]
+
+
 def test_retiring_a_ring_the_run_path_holds_waits_for_it(database_url, make_inbox):
     """A busy fleet always holds some partition locks, each for a short
     transaction: once asking without waiting has failed, the retiring waits

@@ -57,6 +57,9 @@ used again. Both locks are asked for without waiting (NOWAIT), again and
 again for at most RETIRE_BUDGET_S per look: every statement of the run path
 locks every partition (which rings are live is known only when it runs), so a
 request that waited would hold up every take and finish queued behind it.
+Each is asked for only when pg_locks shows no other session holding or
+awaiting a lock on the table: a refused request is an ERROR in the server's
+log, and a busy fleet would otherwise leave ten of them per look.
 Only if that fails and no holder of the lock has been in its transaction for
 HELD_LONG_S (the run path's transactions are short; a pg_dump's is not) is
 the lock waited for, at most `lock_timeout`: a busy fleet, always holding
@@ -96,6 +99,13 @@ RETIRE_BUDGET_S = 0.05
 RETIRE_PAUSE_S = 0.005
 # A lock's holder in its transaction this long is not waited for (a dump).
 HELD_LONG_S = 1.0
+
+# Anyone else holding or awaiting a lock on the table (a prepared
+# transaction's have no pid).
+LOCKED_BY_OTHERS = """
+SELECT EXISTS (SELECT 1 FROM pg_locks
+                WHERE relation = %(table)s::regclass AND pid IS DISTINCT FROM pg_backend_pid())
+"""
 
 HELD_LONG = """
 SELECT EXISTS (SELECT 1 FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid
@@ -254,11 +264,13 @@ def retire(conn: psycopg.Connection[Any], budget_s: float = RETIRE_BUDGET_S, hel
 
 def _try(conn: psycopg.Connection[Any], table: str, statement: str, deadline: float, held_long_s: float) -> bool:
     """Run `statement` in a savepoint once `table`'s ACCESS EXCLUSIVE lock is
-    had: asked for without waiting until `deadline` (at least once), then
+    had: asked for without waiting, while no other session is seen locking
+    `table`, until `deadline` (looked at at least once), then
     waited for (`lock_timeout`) unless a holder has held it `held_long_s`;
     False if it was not had."""
     while True:
-        if _locked(conn, table, "NOWAIT", statement):
+        if (not one(conn.execute(LOCKED_BY_OTHERS, {"table": table}))[0]
+                and _locked(conn, table, "NOWAIT", statement)):
             return True
         if time.monotonic() >= deadline:
             break
