@@ -8,6 +8,7 @@ database state, bounded."""
 
 import contextlib
 import threading
+import time
 import types
 from collections import Counter
 
@@ -41,7 +42,7 @@ def completer_serving(inbox):
         inbox.ingest(user, "chat", "m1", {})
         run = inbox.take_work(HOLDER)
         assert run is not None and run.user == user
-        flight = Producer._flight(maker, run, 0.0)
+        flight = Producer._flight(maker, run, time.monotonic())  # taken now
         flights.add([flight])
         assert flights.begin(flight)
         return flight
@@ -125,3 +126,25 @@ def test_a_finish_that_outlasts_the_statement_timeout_is_committed_in_halves(
                        "the runs the lock does not hold up to finish", timeout=60)
             assert _event_xmin(database_url, "u3") is None
         wait_until(lambda: _event_xmin(database_url, "u3"), "the locked run's finish", timeout=60)
+
+
+def test_a_finish_that_outlasts_the_statement_timeout_alone_holds_up_no_later_run(
+        database_url, make_inbox):
+    """A run alone whose finish outlasts the statement timeout (its lease
+    row locked elsewhere) is tried again after FINISH_RETRY, not retried on
+    the completer's thread in front of what ends after it: a run that ends
+    while the lock is held commits, and the locked run commits once it goes."""
+    with completer_serving(make_inbox(statement_timeout=1, pool_size=2)) as serving:
+        locked, later = serving.take("u0"), serving.take("u1")
+        with psycopg.connect(database_url) as blocker:
+            blocker.execute("SELECT 1 FROM leases WHERE user_id = 'u0' FOR UPDATE")
+            serving.flights.ended(locked, Result(), 0.0)
+            wait_until(lambda: scalar(database_url, "SELECT count(*) FROM pg_locks"
+                                      " WHERE NOT granted AND pid <> %s",
+                                      blocker.info.backend_pid),
+                       "the locked run's finish to wait for the lease row")
+            serving.flights.ended(later, Result(), 0.0)
+            wait_until(lambda: _event_xmin(database_url, "u1"),
+                       "the run that ended after it to finish", timeout=20)
+            assert _event_xmin(database_url, "u0") is None
+        wait_until(lambda: _event_xmin(database_url, "u0"), "the locked run's finish", timeout=60)

@@ -333,9 +333,12 @@ class Completer:
         faults while their leases may still be valid. If the commit fails for
         another reason (a result the database refuses), each run is committed
         alone, a refused result as its run's error: it costs only its own run.
-        The flags of the finishes decided, and those to try again later: on
-        Citus, the runs whose worker node did not answer while the others
-        committed (retried by the completer, so that they hold up no other run)."""
+        The flags of the finishes decided, and those to try again later
+        (retried by the completer after FINISH_RETRY, so that they hold up no
+        other run): on Citus, the runs whose worker node did not answer while
+        the others committed; anywhere, a run whose finish outlasted the
+        statement timeout alone (its lease row locked by someone, a lock its
+        events wait for)."""
         ttl = self.inbox.settings.lease_ttl
         pending = [(e.flight, self._outcome(e.flight, e.result)) for e in finishes]
         accepted: dict[InFlight, bool] = {}
@@ -349,7 +352,13 @@ class Completer:
                     log.warning("the finish of %d runs outlasted the statement timeout; "
                                 "committing them in two halves", len(pending))
                     return self._finish_in_halves(finishes, [f for f, _ in pending], now)
-                log.warning("finish failed for %d runs (%s); retrying", len(pending), exc)
+                if (len(pending) == 1 and not accepted and not later and _outlasted(exc)
+                        and not isinstance(exc, errors.PartlyDone)):
+                    log.warning("the finish of %s outlasted the statement timeout alone;"
+                                " trying it again after the others", pending[0][0].label)
+                    later, pending = {pending[0][0]}, []
+                else:
+                    log.warning("finish failed for %d runs (%s); retrying", len(pending), exc)
                 if isinstance(exc, errors.PartlyDone):
                     for (flight, outcome), flag in zip(pending, exc.done):
                         if flag is not None:
